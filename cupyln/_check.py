@@ -1,0 +1,103 @@
+"""Compare cupyln against the float64 reference: the tolerances, and the self-check that
+``python -m cupyln`` and the notebook run. Works on NumPy arrays or CuPy arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import api
+from . import reference as ref
+from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+
+#: Largest |out - ref| allowed, relative to max |ref| of that output, by the output's dtype.
+#: 16-bit outputs are dominated by their own rounding (2^-11, 2^-8); float32 by accumulation.
+TOL = {FLOAT16: 4e-3, BFLOAT16: 3e-2, FLOAT32: 1e-4, FLOAT64: 1e-9}
+
+
+def to_numpy(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def max_err(out, want):
+    """max |out - want| / max |want| (NaN-aware: a NaN where want is finite is an infinite
+    error); 0 for empty arrays."""
+    o = to_numpy(out).astype(np.float64)
+    w = np.asarray(want, dtype=np.float64)
+    if o.shape != w.shape:
+        raise AssertionError(f"shape {o.shape} != reference shape {w.shape}")
+    if w.size == 0:
+        return 0.0
+    if not np.array_equal(np.isnan(o), np.isnan(w)):
+        return float("inf")
+    fin = np.isfinite(w)
+    if not np.array_equal(o[~fin & ~np.isnan(w)], w[~fin & ~np.isnan(w)]):
+        return float("inf")
+    scale = np.abs(w[fin]).max(initial=0.0)
+    diff = np.abs(o[fin] - w[fin]).max(initial=0.0)
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def problem(xp, M, N, dtype, wdtype=None, seed=0):
+    """Inputs as in Triton's tutorial: x = -2.3 + 0.5 randn, dy = 0.1 randn, gamma/beta random."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    wdtype = dtype if wdtype is None else np.dtype(wdtype)
+    x = (-2.3 + 0.5 * rng.standard_normal((M, N))).astype(dtype)
+    dy = (0.1 * rng.standard_normal((M, N))).astype(dtype)
+    gamma = (1.0 + 0.2 * rng.standard_normal(N)).astype(wdtype)
+    beta = (0.2 * rng.standard_normal(N)).astype(wdtype)
+    return tuple(xp.asarray(a) for a in (x, dy, gamma, beta))
+
+
+def check(xp, op, M, N, dtype, wdtype=None, seed=0, deterministic=False):
+    """Run forward and backward of ``op`` ('layernorm'/'rmsnorm') through cupyln on ``xp``
+    arrays and return rows ``(output, max_err, tol)`` against the reference."""
+    x, dy, gamma, beta = problem(xp, M, N, dtype, wdtype, seed)
+    h = [to_numpy(a) for a in (x, dy, gamma, beta)]
+    rows = []
+    if op == "layernorm":
+        y, mean, rstd = api.layer_norm_fwd(x, gamma, beta)
+        ry, rm, rr = ref.layer_norm_fwd(h[0], h[2], h[3])
+        grads = api.layer_norm_bwd(dy, x, gamma, mean, rstd, deterministic=deterministic)
+        rgrads = ref.layer_norm_bwd(h[1], h[0], h[2], to_numpy(mean), to_numpy(rstd))
+        outs = [("y", y, ry), ("mean", mean, rm), ("rstd", rstd, rr)]
+        names = ("dx", "dgamma", "dbeta")
+    else:
+        y, rstd = api.rms_norm_fwd(x, gamma)
+        ry, rr = ref.rms_norm_fwd(h[0], h[2])
+        grads = api.rms_norm_bwd(dy, x, gamma, rstd, deterministic=deterministic)
+        rgrads = ref.rms_norm_bwd(h[1], h[0], h[2], to_numpy(rstd))
+        outs = [("y", y, ry), ("rstd", rstd, rr)]
+        names = ("dx", "dgamma")
+    outs += list(zip(names, grads, rgrads, strict=False))
+    for name, out, want in outs:
+        rows.append((name, max_err(out, want), TOL[np.dtype(out.dtype)]))
+    return rows
+
+
+SELF_CHECK_PROBLEMS = [
+    ("layernorm", 37, 1000, FLOAT16, FLOAT32),
+    ("layernorm", 64, 4096, BFLOAT16, None),
+    ("layernorm", 129, 257, FLOAT32, None),
+    ("layernorm", 5, 40000, FLOAT16, None),
+    ("rmsnorm", 37, 1000, BFLOAT16, FLOAT32),
+    ("rmsnorm", 64, 768, FLOAT16, None),
+    ("rmsnorm", 3, 8117, FLOAT64, None),
+]
+
+
+def self_check(xp, problems=SELF_CHECK_PROBLEMS):
+    """Rows (op, M, N, dtype, output, err, tol, ok) for each problem and output."""
+    table = []
+    for op, M, N, dt, wdt in problems:
+        for name, err, tol in check(xp, op, M, N, dt, wdt):
+            table.append((op, M, N, np.dtype(dt).name, name, err, tol, err <= tol))
+    return table
+
+
+def format_table(table):
+    lines = [f"{'op':<10}{'M':>6}{'N':>7}  {'dtype':<9}{'output':<8}{'max err':>10}{'tol':>9}  ok"]
+    for op, M, N, dt, name, err, tol, ok in table:
+        lines.append(f"{op:<10}{M:>6}{N:>7}  {dt:<9}{name:<8}{err:>10.2e}{tol:>9.0e}  "
+                     f"{'yes' if ok else 'NO'}")
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""Kernel source -> ``cupy.RawModule``: one cached module per (device, specialization).
+
+A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
+type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread and the
+warp size. One module holds the kernels of one pass of a specialization (the forward kernel; or
+the backward kernel with its row-sum and partial-reduction kernels), so a call compiles only
+what it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``)
+keeps the binaries across processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+from typing import NamedTuple
+
+import numpy as np
+
+from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+
+#: The one table of dtype -> C storage type of the kernels.
+CTYPES = {FLOAT16: "cl_half", BFLOAT16: "cl_bf16", FLOAT32: "float", FLOAT64: "double"}
+#: Accumulation (compute) dtype for each data dtype.
+ACC_DTYPES = {FLOAT16: FLOAT32, BFLOAT16: FLOAT32, FLOAT32: FLOAT32, FLOAT64: FLOAT64}
+
+OPTIONS = ("-std=c++17",)
+SOURCES = ("norm_fwd.cu", "norm_bwd.cu")
+
+
+class Spec(NamedTuple):
+    dtype: np.dtype  # x, dy, y, dx
+    wdtype: np.dtype  # gamma, beta, dgamma, dbeta
+    is_ln: bool
+    vec: int  # elements per vector access
+    npt: int  # vectors per thread per chunk
+    warp: int  # 32 or 64
+
+    def _args(self):
+        t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
+        ln = "true" if self.is_ln else "false"
+        return f"{t}, {w}, {ln}, {self.vec}, {self.npt}, {self.warp}"
+
+    def names(self, pass_):
+        """The name expression of each kernel of one pass ('fwd' or 'bwd')."""
+        a = self._args()
+        if pass_ == "fwd":
+            return {"fwd": f"norm_fwd<{a}>"}
+        acc = CTYPES[ACC_DTYPES[self.dtype]]
+        return {
+            "bwd": f"norm_bwd<{a}>",
+            "rowsums": f"norm_bwd_rowsums<{a}>",
+            "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
+        }
+
+    def __str__(self):
+        op = "layernorm" if self.is_ln else "rmsnorm"
+        return (
+            f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
+            f"warp={self.warp}]"
+        )
+
+
+def _read(name):
+    return importlib.resources.files("cupyln.kernels").joinpath(name).read_text()
+
+
+@functools.cache
+def source():
+    """All kernels as one translation unit (common.cuh inlined: no include paths needed)."""
+    common = re.sub(r"^#pragma once\s*$", "", _read("common.cuh"), flags=re.M)
+    parts = [common]
+    for name in SOURCES:
+        parts.append(re.sub(r'^#include "common.cuh"\s*$', "", _read(name), flags=re.M))
+    return "\n".join(parts)
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+@functools.cache
+def _module_cache():
+    cupy = _cupy()
+
+    @cupy.memoize(for_each_device=True)
+    def build(spec, pass_):
+        names = spec.names(pass_)
+        mod = cupy.RawModule(
+            code=source(), options=OPTIONS, name_expressions=list(names.values()),
+            backend="nvrtc",
+        )
+        try:
+            mod.compile()
+        except Exception as e:
+            raise RuntimeError(f"cupyln: compiling the {pass_} pass of {spec} failed: {e}") from e
+        return {k: mod.get_function(v) for k, v in names.items()}
+
+    return build
+
+
+def kernels(spec, pass_):
+    """Dict of RawKernels of one pass of ``spec`` on the current device (compiled once each)."""
+    return _module_cache()(spec, pass_)
+
+
+# ----------------------------------------------------------------------------- offline checks
+
+
+def compile_nvrtc(names, arch):
+    """Compile the kernels named by ``names`` with NVRTC for ``arch`` (e.g. 'sm_90'); no GPU
+    needed. Returns the lowered (mangled) names; raises RuntimeError with NVRTC's log on failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    names = sorted(names)
+    prog = nvrtc.createProgram(source(), "cupyln.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *OPTIONS])
+        except Exception as e:
+            raise RuntimeError(f"NVRTC {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
+        return {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def hip_source(names):
+    """A HIP translation unit that instantiates the kernels named by ``names`` (hipcc checks)."""
+    names = sorted(names)
+    refs = ",\n  ".join(f"(const void*)&{n}" for n in names)
+    return (
+        "#include <hip/hip_runtime.h>\n" + source()
+        + f"\n__attribute__((used)) static const void* cupyln_instances[] = {{\n  {refs}\n}};\n"
+    )

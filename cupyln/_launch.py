@@ -1,0 +1,328 @@
+"""Plan and launch the kernels on CuPy arrays.
+
+This module is the one place that decides launch geometry: :func:`row_geometry` maps a row onto
+threads, :func:`plan_fwd` / :func:`plan_bwd` add the grid, and :func:`all_specs` lists every
+specialization they can choose (the compile tests build each). Nothing here synchronizes with
+the host: every launch goes on the current stream, so calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import cupy as cp
+import numpy as np
+
+from . import _compile
+from ._compile import ACC_DTYPES, Spec
+from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+
+_NULL = np.uint64(0)  # a null pointer argument
+
+# Geometry constants (see row_geometry).
+TPR_TARGET = 256  # grow threads per row up to this before giving each thread more vectors
+MIN_BLOCK = 128  # threads per block when several short rows share a block
+FWD_TPR_MAX, FWD_NPTS = 1024, (1, 2, 4)  # forward keeps up to 4 vectors/thread in registers
+BWD_TPR_MAX, BWD_NPTS = 512, (1, 2)  # backward also holds dy and two partial-sum arrays
+TILE_TPR, TILE_NPT = 256, 2  # long-row backward: column tile of one block
+ROWSUMS_TPR = 1024
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _round_up(a, b):
+    return _cdiv(a, b) * b
+
+
+class Geometry(NamedTuple):
+    tpr: int  # threads per row (blockDim.x)
+    npt: int  # vectors per thread per chunk
+    rpb: int  # rows per block (blockDim.y)
+    fits: bool  # the whole row is one chunk in registers
+
+
+def row_geometry(nvec, warp, tpr_max, npts):
+    """How a row of ``nvec`` vectors maps onto threads.
+
+    Short rows (up to a warp) take a power-of-two group of lanes, several rows per block. Longer
+    rows take whole warps: threads per row grow to TPR_TARGET, then each thread holds more
+    vectors (up to ``npts[-1]``), then threads grow to ``tpr_max``; beyond that the row is
+    processed in chunks.
+    """
+    if nvec <= warp:
+        tpr = 1 << (nvec - 1).bit_length()
+        return Geometry(tpr, 1, max(1, MIN_BLOCK // tpr), True)
+    for npt in npts:
+        tpr = _round_up(_cdiv(nvec, npt), warp)
+        if tpr <= TPR_TARGET:
+            return Geometry(tpr, npt, 1, True)
+    npt = npts[-1]
+    tpr = _round_up(_cdiv(nvec, npt), warp)
+    if tpr <= tpr_max:
+        return Geometry(tpr, npt, 1, True)
+    return Geometry(tpr_max, npt, 1, False)
+
+
+def vec_options(dtype):
+    """Vector widths for ``dtype``: 16 bytes down to one element."""
+    v = 16 // dtype.itemsize
+    out = []
+    while v >= 1:
+        out.append(v)
+        v //= 2
+    return out
+
+
+def all_kernel_names(warp):
+    """Name expressions of every kernel the planner can launch on a device of this warp size."""
+    pairs = [(FLOAT16, FLOAT16), (FLOAT16, FLOAT32), (BFLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
+             (FLOAT32, FLOAT32), (FLOAT64, FLOAT64), (FLOAT64, FLOAT32)]
+    passes = {"fwd": FWD_NPTS, "bwd": sorted(set(BWD_NPTS) | {TILE_NPT})}
+    names = set()
+    for t, w in pairs:
+        for ln in (True, False):
+            for v in vec_options(t):
+                for pass_, npts in passes.items():
+                    for n in npts:
+                        names.update(Spec(t, w, ln, v, n, warp).names(pass_).values())
+    return names
+
+
+# ----------------------------------------------------------------------------- device facts
+
+
+class DeviceInfo(NamedTuple):
+    sms: int
+    warp: int
+    threads_per_sm: int
+    regs_per_sm: int
+    smem_per_sm: int
+
+
+@functools.cache
+def device_info(dev_id):
+    a = cp.cuda.Device(dev_id).attributes
+    return DeviceInfo(
+        sms=a.get("MultiProcessorCount", 1),
+        warp=a.get("WarpSize", 32),
+        threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
+        regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
+        smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
+    )
+
+
+def _blocks_per_sm(kern, threads, smem, info):
+    """Resident blocks of ``kern`` per multiprocessor, from its register and memory use."""
+    regs = max(int(getattr(kern, "num_regs", 0) or 0), 1)
+    by_threads = info.threads_per_sm // threads
+    by_regs = info.regs_per_sm // (_round_up(regs, 8) * threads)
+    static = int(getattr(kern, "shared_size_bytes", 0) or 0)
+    by_smem = info.smem_per_sm // (smem + static + 1024)
+    return max(1, min(by_threads, by_regs, by_smem, 32))
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+class Plan(NamedTuple):
+    spec: Spec
+    grid: tuple
+    block: tuple
+    smem: int
+    # long-row backward only: grid/block of the row-sum kernel (None otherwise)
+    rs_grid: tuple | None = None
+    rs_block: tuple | None = None
+
+
+@functools.cache
+def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
+    info = device_info(dev_id)
+    g = row_geometry(N // vec, info.warp, FWD_TPR_MAX, FWD_NPTS)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
+    grid = min(_cdiv(M, g.rpb), info.sms * 32)
+    return Plan(spec, (grid,), (g.tpr, g.rpb), 0)
+
+
+@functools.cache
+def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
+    """Backward geometry. The grid depends only on (device, dtypes, M, N, vec), so the
+    deterministic reduction order is the same on every call."""
+    info = device_info(dev_id)
+    g = row_geometry(N // vec, info.warp, BWD_TPR_MAX, BWD_NPTS)
+    acc_size = ACC_DTYPES[dtype].itemsize
+    if g.fits:
+        spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
+        threads = g.tpr * g.rpb
+        smem = threads * vec * acc_size if g.rpb > 1 else 0
+        kern = _compile.kernels(spec, "bwd")["bwd"]
+        resident = info.sms * _blocks_per_sm(kern, threads, smem, info)
+        grid = min(_cdiv(M, g.rpb), resident)
+        return Plan(spec, (grid, 1), (g.tpr, g.rpb), smem)
+    spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
+    tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
+    kern = _compile.kernels(spec, "bwd")["bwd"]
+    resident = info.sms * _blocks_per_sm(kern, TILE_TPR, 0, info)
+    gx = max(1, min(M, _cdiv(resident, tiles)))
+    rs_grid = min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4)
+    return Plan(spec, (gx, tiles), (TILE_TPR, 1), 0, (rs_grid,), (ROWSUMS_TPR, 1))
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _row_stride(a, k):
+    """Row stride (elements) of ``a`` viewed as rows of its trailing ``k`` axes, or None when
+    the normalized part is not contiguous or the rows are not evenly spaced."""
+    isz = a.itemsize
+    shape, strides = a.shape, a.strides
+    nd = a.ndim
+    expect = isz
+    for i in range(nd - 1, nd - k - 1, -1):
+        if shape[i] != 1 and strides[i] != expect:
+            return None
+        expect *= shape[i]
+    ld = span = None
+    for i in range(nd - k - 1, -1, -1):
+        if shape[i] == 1:
+            continue
+        if ld is None:
+            ld = strides[i]
+        elif strides[i] != span:
+            return None
+        span = strides[i] * shape[i]
+    if ld is None:
+        return expect // isz
+    return ld // isz if ld % isz == 0 else None
+
+
+def _rows(a, k, N):
+    """(array, row stride) for the kernel: ``a`` itself when its layout allows, else a copy."""
+    if a.flags.c_contiguous:
+        return a, N
+    ld = _row_stride(a, k)
+    if ld is None:
+        return cp.ascontiguousarray(a), N
+    return a, ld
+
+
+def _vec(dtype, N, lds, ptrs):
+    """Widest vector that divides N and every row stride, and that every pointer is aligned to.
+    ``ptrs`` are (address, itemsize) pairs."""
+    for v in vec_options(dtype):
+        if N % v == 0 and all(ld % v == 0 for ld in lds) and all(
+            p % (v * s) == 0 for p, s in ptrs
+        ):
+            return v
+    return 1
+
+
+def _flat(p):
+    return None if p is None else cp.ascontiguousarray(p).reshape(-1)
+
+
+def _ptr(a):
+    return _NULL if a is None else a
+
+
+class _on_device:
+    """Make ``dev_id`` current for the block, only when it is not already."""
+
+    __slots__ = ("dev", "prev")
+
+    def __init__(self, dev_id):
+        self.dev = dev_id
+
+    def __enter__(self):
+        self.prev = cp.cuda.runtime.getDevice()
+        if self.prev != self.dev:
+            cp.cuda.runtime.setDevice(self.dev)
+
+    def __exit__(self, *exc):
+        if self.prev != self.dev:
+            cp.cuda.runtime.setDevice(self.prev)
+
+
+# ----------------------------------------------------------------------------- passes
+
+
+def forward(x, gamma, beta, eps, k, is_ln):
+    dev = x.device.id
+    with _on_device(dev):
+        lead = x.shape[: x.ndim - k]
+        M = math.prod(lead)
+        N = math.prod(x.shape[x.ndim - k :])
+        y = cp.empty(x.shape, x.dtype)
+        stats = cp.empty((2 if is_ln else 1,) + tuple(lead), FLOAT32)  # one allocation
+        mean, rstd = (stats[0], stats[1]) if is_ln else (None, stats[0])
+        if M:
+            if gamma is not None and beta is not None and gamma.dtype != beta.dtype:
+                gamma, beta = gamma.astype(FLOAT32), beta.astype(FLOAT32)
+            gamma, beta = _flat(gamma), _flat(beta)
+            wdtype = next((p.dtype for p in (gamma, beta) if p is not None), x.dtype)
+            xr, ldx = _rows(x, k, N)
+            ptrs = [(xr.data.ptr, x.itemsize), (y.data.ptr, x.itemsize)]
+            ptrs += [(p.data.ptr, p.itemsize) for p in (gamma, beta) if p is not None]
+            vec = _vec(x.dtype, N, (ldx,), ptrs)
+            plan = plan_fwd(dev, x.dtype, wdtype, is_ln, M, N, vec)
+            kern = _compile.kernels(plan.spec, "fwd")["fwd"]
+            acc = ACC_DTYPES[x.dtype].type
+            kern(plan.grid, plan.block,
+                 (xr, np.int64(ldx), _ptr(gamma), _ptr(beta), y, _ptr(mean), rstd,
+                  np.int64(M), np.int64(N), acc(eps)))
+    return (y, mean, rstd) if is_ln else (y, rstd)
+
+
+def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic):
+    dev = x.device.id
+    with _on_device(dev):
+        norm_shape = x.shape[x.ndim - k :]
+        M = math.prod(x.shape[: x.ndim - k])
+        N = math.prod(norm_shape)
+        wdtype = x.dtype if gamma is None else gamma.dtype
+        dx = cp.empty(x.shape, x.dtype) if need_dx else None
+        if not M:
+            dg, db = (cp.zeros(norm_shape, wdtype) if f else None for f in (need_dgamma, need_dbeta))
+            return dx, dg, db
+        dgamma = cp.empty(norm_shape, wdtype) if need_dgamma else None
+        dbeta = cp.empty(norm_shape, wdtype) if need_dbeta else None
+        if not (need_dx or need_dgamma or need_dbeta):
+            return None, None, None
+        gamma = _flat(gamma)
+        mean = None if mean is None else cp.ascontiguousarray(mean)
+        rstd = cp.ascontiguousarray(rstd)
+        xr, ldx = _rows(x, k, N)
+        dyr, lddy = _rows(dy, k, N)
+        ptrs = [(xr.data.ptr, x.itemsize), (dyr.data.ptr, x.itemsize)]
+        ptrs += [(p.data.ptr, p.itemsize) for p in (dx, gamma, dgamma, dbeta) if p is not None]
+        vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
+        plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
+        kerns = _compile.kernels(plan.spec, "bwd")
+        acc_dtype = ACC_DTYPES[x.dtype]
+        need_params = need_dgamma or need_dbeta
+        accum = counter = partial = rowsums = None
+        P = plan.grid[0]
+        if need_params:
+            if deterministic:
+                partial = cp.empty((P, 2 * N), acc_dtype)
+            else:
+                scratch = cp.zeros(2 * N + 2, acc_dtype)  # accumulators, then the counter
+                accum, counter = scratch, scratch[2 * N :]
+        i64 = np.int64
+        if plan.rs_grid is not None:
+            rowsums = cp.empty((M, 2), acc_dtype)
+            kerns["rowsums"](plan.rs_grid, plan.rs_block,
+                             (dyr, i64(lddy), xr, i64(ldx), _ptr(gamma), _ptr(mean), rstd,
+                              rowsums, i64(M), i64(N)))
+        kerns["bwd"](plan.grid, plan.block,
+                     (dyr, i64(lddy), xr, i64(ldx), _ptr(gamma), _ptr(mean), rstd,
+                      _ptr(rowsums), _ptr(dx), _ptr(dgamma), _ptr(dbeta), _ptr(accum),
+                      _ptr(counter), _ptr(partial), i64(M), i64(N)),
+                     shared_mem=plan.smem)
+        if partial is not None:
+            kerns["reduce"]((_cdiv(2 * N, 32),), (32, 8),
+                            (partial, i64(P), i64(N), _ptr(dgamma), _ptr(dbeta)))
+    return dx, dgamma, dbeta

@@ -1,0 +1,286 @@
+"""Public API: validation, then dispatch to the NumPy reference path or the CuPy kernels.
+
+Every check runs before any work, so a bad call raises and writes nothing. The checks cost a
+fixed number of attribute reads per argument: nothing here grows with the array size.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+from . import reference as _ref
+
+try:  # CuPy is optional: without it only NumPy arrays are accepted.
+    import cupy as _cp
+
+    _CUPY_ARRAY = _cp.ndarray
+except Exception:  # pragma: no cover - exercised on machines without CuPy
+    _cp = None
+    _CUPY_ARRAY = ()
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
+#: dtypes accepted for x and dy
+SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
+_SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _kind(arrays):
+    """'numpy' or 'cupy' for the given non-None arrays; TypeError for anything else or a mix."""
+    kind = None
+    for name, a in arrays:
+        if a is None:
+            continue
+        if isinstance(a, np.ndarray):
+            k = "numpy"
+        elif _CUPY_ARRAY and isinstance(a, _CUPY_ARRAY):
+            k = "cupy"
+        else:
+            raise TypeError(
+                f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(a).__name__}"
+            )
+        if kind is None:
+            kind = k
+        elif k != kind:
+            raise TypeError(
+                f"{name} is a {k} array but earlier arguments are {kind} arrays: "
+                "all arrays of one call must be of the same kind"
+            )
+    return kind
+
+
+def _check_devices(arrays):
+    """ValueError unless every CuPy array lives on one device; returns that device id."""
+    dev = None
+    for name, a in arrays:
+        if a is None:
+            continue
+        d = a.device.id
+        if dev is None:
+            dev = d
+        elif d != dev:
+            raise ValueError(
+                f"{name} is on device {d} but earlier arguments are on device {dev}: "
+                "all arrays of one call must be on the same device"
+            )
+    return dev
+
+
+def _check_dtype(name, a):
+    if a.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {a.dtype}; expected {_SUPPORTED_NAMES}")
+
+
+def _check_param_dtype(name, p, x_dtype):
+    if p.dtype != x_dtype and p.dtype != FLOAT32:
+        raise TypeError(
+            f"{name} has dtype {p.dtype}; expected x's dtype ({x_dtype}) or float32"
+        )
+
+
+def _check_eps(eps):
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps
+
+
+def _check_flag(name, v):
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return bool(v)
+
+
+def _norm_ndim(x, gamma, beta, normalized_shape):
+    """Number of trailing normalized axes of x, checked against gamma, beta, normalized_shape."""
+    if x.ndim == 0:
+        raise ValueError("x must have at least one axis (the normalized one), got a 0-d array")
+    want = source = None
+    if normalized_shape is not None:
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        try:
+            want = tuple(int(s) for s in normalized_shape)
+        except TypeError:
+            raise TypeError(
+                "normalized_shape must be an int or a tuple of ints, "
+                f"got {type(normalized_shape).__name__}"
+            ) from None
+        if not want:
+            raise ValueError("normalized_shape must name at least one axis, got ()")
+        source = "normalized_shape"
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p is None:
+            continue
+        if p.ndim == 0:
+            raise ValueError(f"{name} must have at least one axis, got a 0-d array")
+        if want is None:
+            want, source = tuple(p.shape), name
+        elif tuple(p.shape) != want:
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)}; expected the normalized shape {want} "
+                f"(from {source})"
+            )
+    if want is None:
+        want = (x.shape[-1],)
+    k = len(want)
+    if k > x.ndim or tuple(x.shape[x.ndim - k :]) != want:
+        raise ValueError(
+            f"{source} has shape {want} but x has shape {tuple(x.shape)}: the trailing axes "
+            "of x must equal the normalized shape"
+        )
+    if 0 in want:
+        raise ValueError(f"the normalized shape {want} must have at least one element (N >= 1)")
+    return k
+
+
+def _check_stats(x, stats):
+    """mean/rstd: float32, one shape, equal to a leading part of x's shape. Returns norm_ndim."""
+    shape = None
+    for name, s in stats:
+        if s.dtype != FLOAT32:
+            raise ValueError(f"{name} has dtype {s.dtype}; expected float32")
+        if shape is None:
+            shape = tuple(s.shape)
+        elif tuple(s.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {shape} like mean")
+    k = x.ndim - len(shape)
+    if k < 1 or tuple(x.shape[: len(shape)]) != shape:
+        raise ValueError(
+            f"{stats[0][0]} has shape {shape}; expected the leading shape of x "
+            f"(a proper prefix of {tuple(x.shape)})"
+        )
+    if 0 in x.shape[len(shape) :]:
+        raise ValueError("the normalized part of x must have at least one element (N >= 1)")
+    return k
+
+
+def _check_bwd(dy, x, gamma, stats):
+    for name, a in [("dy", dy), ("x", x)] + stats:
+        if a is None:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got None")
+    kind = _kind([("dy", dy), ("x", x), ("gamma", gamma)] + stats)
+    _check_dtype("x", x)
+    if dy.dtype != x.dtype:
+        raise TypeError(f"dy has dtype {dy.dtype}; expected x's dtype {x.dtype}")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy has shape {tuple(dy.shape)}; expected x's shape {tuple(x.shape)}")
+    if x.ndim == 0:
+        raise ValueError("x must have at least one axis, got a 0-d array")
+    k = _check_stats(x, stats)
+    if gamma is not None:
+        _check_param_dtype("gamma", gamma, x.dtype)
+        if tuple(gamma.shape) != tuple(x.shape[x.ndim - k :]):
+            raise ValueError(
+                f"gamma has shape {tuple(gamma.shape)}; expected the normalized shape "
+                f"{tuple(x.shape[x.ndim - k:])} (x's shape after mean/rstd's)"
+            )
+    if kind == "cupy":
+        _check_devices([("dy", dy), ("x", x), ("gamma", gamma)] + stats)
+    return kind, k
+
+
+def _param_dtype(gamma, beta, x_dtype):
+    """dtype of dgamma/dbeta (and the kernels' parameter type)."""
+    for p in (gamma, beta):
+        if p is not None:
+            return p.dtype
+    return x_dtype
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _fwd(x, gamma, beta, eps, normalized_shape, is_ln):
+    if x is None:
+        raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
+    kind = _kind([("x", x), ("gamma", gamma), ("beta", beta)])
+    _check_dtype("x", x)
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p is not None:
+            _check_param_dtype(name, p, x.dtype)
+    eps = _check_eps(eps)
+    k = _norm_ndim(x, gamma, beta, normalized_shape)
+    if kind == "cupy":
+        _check_devices([("x", x), ("gamma", gamma), ("beta", beta)])
+        from . import _launch
+
+        return _launch.forward(x, gamma, beta, eps, k, is_ln)
+    if is_ln:
+        y, mean, rstd = _ref.layer_norm_fwd(x, gamma, beta, eps, k)
+    else:
+        y, rstd = _ref.rms_norm_fwd(x, gamma, eps, k)
+        mean = None
+    y = y.astype(x.dtype)
+    rstd = rstd.astype(FLOAT32)
+    return (y, mean.astype(FLOAT32), rstd) if is_ln else (y, rstd)
+
+
+def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, *, normalized_shape=None):
+    """LayerNorm forward. Returns ``(y, mean, rstd)``; mean/rstd are float32 of x's leading shape.
+
+    The trailing ``gamma.ndim`` axes of ``x`` are normalized (the last axis when gamma and beta
+    are None, or the axes ``normalized_shape`` names).
+    """
+    return _fwd(x, gamma, beta, eps, normalized_shape, True)
+
+
+def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None):
+    """RMSNorm forward. Returns ``(y, rstd)``; rstd is float32 of x's leading shape."""
+    return _fwd(x, gamma, None, eps, normalized_shape, False)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic):
+    stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
+    kind, k = _check_bwd(dy, x, gamma, stats)
+    need_dx = _check_flag("need_dx", need_dx)
+    need_dgamma = _check_flag("need_dgamma", need_dgamma) and gamma is not None
+    need_dbeta = _check_flag("need_dbeta", need_dbeta)
+    deterministic = _check_flag("deterministic", deterministic)
+    if kind == "cupy":
+        from . import _launch
+
+        return _launch.backward(
+            dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic
+        )
+    dx, dgamma, dbeta = _ref._norm_bwd(dy, x, gamma, mean, rstd)
+    pdt = _param_dtype(gamma, None, x.dtype)
+    return (
+        dx.astype(x.dtype) if need_dx else None,
+        dgamma.astype(pdt) if need_dgamma else None,
+        dbeta.astype(pdt) if need_dbeta else None,
+    )
+
+
+def layer_norm_bwd(
+    dy, x, gamma, mean, rstd, *, need_dx=True, need_dgamma=True, need_dbeta=True,
+    deterministic=False,
+):
+    """LayerNorm backward. Returns ``(dx, dgamma, dbeta)``; an output not asked for is None.
+
+    dgamma is None when gamma is None; dgamma/dbeta have gamma's dtype (x's when gamma is None).
+    ``deterministic=True`` makes dgamma/dbeta bitwise repeatable on the same device and shapes.
+    """
+    if mean is None:
+        raise TypeError("mean must be a numpy.ndarray or cupy.ndarray, got None")
+    return _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic)
+
+
+def rms_norm_bwd(dy, x, gamma, rstd, *, need_dx=True, need_dgamma=True, deterministic=False):
+    """RMSNorm backward. Returns ``(dx, dgamma)``; an output not asked for is None."""
+    dx, dgamma, _ = _bwd(dy, x, gamma, None, rstd, need_dx, need_dgamma, False, deterministic)
+    return dx, dgamma

@@ -1,0 +1,90 @@
+"""NumPy float64 reference of LayerNorm and RMSNorm, forward and backward: the oracle of every test.
+
+Every function takes arrays of any supported dtype (float16, bfloat16, float32, float64),
+computes in float64 and returns float64 arrays. ``norm_ndim`` is the number of trailing axes that are
+normalized; the leading axes are rows. No validation here: the public API validates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _rows(a, norm_ndim):
+    """(M, N) float64 view of ``a`` with the trailing ``norm_ndim`` axes flattened."""
+    n = int(np.prod(a.shape[a.ndim - norm_ndim :], dtype=np.int64))
+    return np.asarray(a, dtype=np.float64).reshape(-1, n)
+
+
+def _param(p):
+    return None if p is None else np.asarray(p, dtype=np.float64).reshape(-1)
+
+
+def _default_ndim(gamma, beta, norm_ndim):
+    if norm_ndim is not None:
+        return norm_ndim
+    for p in (gamma, beta):
+        if p is not None:
+            return p.ndim
+    return 1
+
+
+def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, norm_ndim=None):
+    """Return ``(y, mean, rstd)`` in float64; mean/rstd have the leading shape of ``x``."""
+    k = _default_ndim(gamma, beta, norm_ndim)
+    lead = x.shape[: x.ndim - k]
+    x2 = _rows(x, k)
+    mean = x2.mean(axis=1)
+    xc = x2 - mean[:, None]
+    var = (xc * xc).mean(axis=1)  # biased, two-pass: never E[x^2] - E[x]^2
+    rstd = 1.0 / np.sqrt(var + eps)
+    y = xc * rstd[:, None]
+    g, b = _param(gamma), _param(beta)
+    if g is not None:
+        y = y * g
+    if b is not None:
+        y = y + b
+    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+
+
+def rms_norm_fwd(x, gamma=None, eps=1e-6, norm_ndim=None):
+    """Return ``(y, rstd)`` in float64."""
+    k = _default_ndim(gamma, None, norm_ndim)
+    lead = x.shape[: x.ndim - k]
+    x2 = _rows(x, k)
+    rstd = 1.0 / np.sqrt((x2 * x2).mean(axis=1) + eps)
+    y = x2 * rstd[:, None]
+    g = _param(gamma)
+    if g is not None:
+        y = y * g
+    return y.reshape(x.shape), rstd.reshape(lead)
+
+
+def _norm_bwd(dy, x, gamma, mean, rstd):
+    """Shared backward: ``mean=None`` means RMSNorm (no centering, no mean(g) term)."""
+    k = x.ndim - rstd.ndim
+    norm_shape = x.shape[x.ndim - k :]
+    x2, dy2 = _rows(x, k), _rows(dy, k)
+    r = np.asarray(rstd, dtype=np.float64).reshape(-1, 1)
+    xc = x2 if mean is None else x2 - np.asarray(mean, dtype=np.float64).reshape(-1, 1)
+    xhat = xc * r
+    gm = _param(gamma)
+    g = dy2 if gm is None else dy2 * gm
+    inner = g - xhat * (g * xhat).mean(axis=1, keepdims=True)
+    if mean is not None:
+        inner = inner - g.mean(axis=1, keepdims=True)
+    dx = r * inner
+    dgamma = (dy2 * xhat).sum(axis=0).reshape(norm_shape)
+    dbeta = dy2.sum(axis=0).reshape(norm_shape)
+    return dx.reshape(x.shape), dgamma, dbeta
+
+
+def layer_norm_bwd(dy, x, gamma, mean, rstd):
+    """Return ``(dx, dgamma, dbeta)`` in float64 (dgamma even when gamma is None)."""
+    return _norm_bwd(dy, x, gamma, mean, rstd)
+
+
+def rms_norm_bwd(dy, x, gamma, rstd):
+    """Return ``(dx, dgamma)`` in float64."""
+    dx, dgamma, _ = _norm_bwd(dy, x, gamma, None, rstd)
+    return dx, dgamma

@@ -1,0 +1,1 @@
+"""CUDA/HIP C sources of cupyln, shipped inside the wheel (read with importlib.resources)."""

@@ -1,0 +1,155 @@
+// cupyln common device code: storage types and conversions, vector I/O, reductions.
+// Compiles with NVRTC (CUDA) and hipcc/hiprtc (HIP) alike: no headers, no hard-coded warp size
+// (every reduction takes WARP, 32 or 64, as a template argument), maskless shuffles on HIP.
+#pragma once
+
+#if defined(__HIPCC__) || defined(__HIP__) || defined(__HIPCC_RTC__)
+#define CLN_HIP 1
+#endif
+
+typedef long long cl_i64;
+
+// 16-bit storage types: plain bits, converted explicitly so that the same source needs neither
+// cuda_fp16.h nor hip_fp16.h (their availability differs between NVRTC and hiprtc versions).
+struct cl_half { unsigned short bits; };
+struct cl_bf16 { unsigned short bits; };
+
+// Accumulation type: float32, except float64 for float64 data.
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(cl_bf16 v) {
+  return __uint_as_float(((unsigned int)v.bits) << 16);
+}
+__device__ __forceinline__ float to_acc(cl_half v) {
+#ifdef CLN_HIP
+  union { unsigned short u; _Float16 f; } c;
+  c.u = v.bits;
+  return (float)c.f;
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+#endif
+}
+
+template <typename T> struct Store;
+template <> struct Store<float> {
+  template <typename C> __device__ __forceinline__ static float cvt(C v) { return (float)v; }
+};
+template <> struct Store<double> {
+  template <typename C> __device__ __forceinline__ static double cvt(C v) { return (double)v; }
+};
+template <> struct Store<cl_half> {
+  __device__ __forceinline__ static cl_half cvt(float v) {
+    cl_half h;
+#ifdef CLN_HIP
+    union { unsigned short u; _Float16 f; } c;
+    c.f = (_Float16)v;
+    h.bits = c.u;
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+#endif
+    return h;
+  }
+};
+template <> struct Store<cl_bf16> {
+  // Round to nearest even; NaN stays a (quiet) NaN of the same sign.
+  __device__ __forceinline__ static cl_bf16 cvt(float v) {
+    unsigned int u = __float_as_uint(v);
+    cl_bf16 b;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      b.bits = (unsigned short)((u >> 16) | 0x0040u);
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);
+      b.bits = (unsigned short)(u >> 16);
+    }
+    return b;
+  }
+};
+
+__device__ __forceinline__ float cl_rsqrt(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
+
+// ---------------------------------------------------------------------------------------------
+// Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The
+// planner picks V so that every pointer and row stride it is used with is aligned to it.
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+template <int V, typename T, typename C>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
+  const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = (C)to_acc(pk.v[j]);
+}
+
+template <int V, typename T, typename C>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
+  Pack<T, V> pk;
+#pragma unroll
+  for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
+  *reinterpret_cast<Pack<T, V>*>(p) = pk;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions. A row belongs to `tpr` consecutive threads of a block (blockDim.x == tpr): a power
+// of two up to WARP, or a multiple of WARP (then blockDim.y rows share the block's warps in
+// whole warps). Every thread of the row gets the same, bitwise identical totals: xor butterflies
+// add the same pairs on every lane, and the cross-warp step sums warps in a fixed order.
+template <typename C> __device__ __forceinline__ C shfl_xor(C v, int lane_mask) {
+#ifdef CLN_HIP
+  return __shfl_xor(v, lane_mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+
+template <int WARP, int K, typename C>
+__device__ __forceinline__ void row_allreduce(C (&v)[K]) {
+  __shared__ C red[K][1024 / WARP];
+  const int tpr = blockDim.x;
+  const int width = tpr < WARP ? tpr : WARP;
+  for (int o = width >> 1; o > 0; o >>= 1) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+  }
+  if (tpr > WARP) {  // uniform over the block
+    const int tid = threadIdx.y * tpr + threadIdx.x;
+    const int warp = tid / WARP, lane = tid % WARP;
+    const int nw = tpr / WARP;
+    __syncthreads();  // the previous call's readers are done with red
+    if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) red[k][warp] = v[k];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = lane < nw ? red[k][threadIdx.y * nw + lane] : C(0);
+    for (int o = WARP >> 1; o > 0; o >>= 1) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+    }
+  }
+}
+
+// Sum a per-thread column array over the blockDim.y rows of a block, in a fixed order; the
+// result lands in the threads with threadIdx.y == 0. `buf` holds blockDim.x*blockDim.y*V values.
+template <int V, typename C>
+__device__ __forceinline__ void sum_over_block_rows(C (&v)[V], C* buf) {
+  if (blockDim.y == 1) return;
+  const int tpr = blockDim.x;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < V; ++j) buf[(threadIdx.y * tpr + threadIdx.x) * V + j] = v[j];
+  __syncthreads();
+  if (threadIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      C s = C(0);
+      for (int r = 0; r < (int)blockDim.y; ++r) s += buf[(r * tpr + threadIdx.x) * V + j];
+      v[j] = s;
+    }
+  }
+}

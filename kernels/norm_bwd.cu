@@ -1,0 +1,207 @@
+// Backward pass of LayerNorm (LN = true) and RMSNorm (LN = false), one template family.
+//
+//   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * gamma
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
+//   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
+//
+// norm_bwd reads x and dy once: it computes dx row by row and, in the same pass, accumulates the
+// dgamma/dbeta partial sums of its rows in registers. At the end each block either adds its
+// partials into a float32 N-vector with atomicAdd (the last block to finish casts that vector
+// into dgamma/dbeta), or writes them to its own row of a [blocks, 2N] scratch that
+// norm_bwd_reduce sums in a fixed order (deterministic). Rows too long for registers take two
+// kernels: norm_bwd_rowsums computes each row's two sums, then norm_bwd runs on column tiles
+// (gridDim.y > 1) with those sums given.
+#include "common.cuh"
+
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+__global__ void __launch_bounds__(512)
+norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
+         const W* __restrict__ gamma, const float* __restrict__ mean,
+         const float* __restrict__ rstd, const typename Acc<T>::type* __restrict__ rowsums,
+         T* __restrict__ dx, W* __restrict__ dgamma, W* __restrict__ dbeta,
+         typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
+         typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
+  typedef typename Acc<T>::type C;
+  extern __shared__ unsigned char cl_smem[];
+  const int t = threadIdx.x;
+  const C inv_n = C(1) / (C)N;
+  const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
+  const bool want_g = dgamma != nullptr, want_b = dbeta != nullptr;
+  C acc_g[NPT][VEC], acc_b[NPT][VEC];
+#pragma unroll
+  for (int k = 0; k < NPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
+
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M;
+       base += (cl_i64)gridDim.x * blockDim.y) {
+    const cl_i64 row = base + threadIdx.y;
+    const bool valid = row < M;
+    const cl_i64 r = valid ? row : 0;
+    const T* xr = x + r * ldx;
+    const T* dyr = dy + r * lddy;
+    const C mu = (LN && valid) ? (C)mean[r] : C(0);
+    const C rs = valid ? (C)rstd[r] : C(0);
+    C xh[NPT][VEC], gg[NPT][VEC], dyv[NPT][VEC];
+    C s[2] = {C(0), C(0)};
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
+      if (valid && col < N) {
+        load_vec<VEC>(xr + col, xh[k]);
+        load_vec<VEC>(dyr + col, dyv[k]);
+        if (gamma) {
+          load_vec<VEC>(gamma + col, gg[k]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) gg[k][j] = C(1);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          xh[k][j] = (xh[k][j] - mu) * rs;
+          gg[k][j] *= dyv[k][j];
+          s[0] += gg[k][j];
+          s[1] += gg[k][j] * xh[k][j];
+          acc_g[k][j] += dyv[k][j] * xh[k][j];
+          acc_b[k][j] += dyv[k][j];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xh[k][j] = gg[k][j] = dyv[k][j] = C(0);
+      }
+    }
+    if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
+      s[0] = valid ? rowsums[2 * r] : C(0);
+      s[1] = valid ? rowsums[2 * r + 1] : C(0);
+    } else {
+      row_allreduce<WARP>(s);
+    }
+    if (dx && valid) {
+      const C mg = LN ? s[0] * inv_n : C(0);
+      const C mgx = s[1] * inv_n;
+      T* dxr = dx + row * N;
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
+        if (col >= N) continue;
+        C o[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = rs * (gg[k][j] - mg - xh[k][j] * mgx);
+        store_vec<VEC>(dxr + col, o);
+      }
+    }
+  }
+
+  if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
+  C* buf = reinterpret_cast<C*>(cl_smem);
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    if (want_g) sum_over_block_rows<VEC>(acc_g[k], buf);
+    if (want_b) sum_over_block_rows<VEC>(acc_b[k], buf);
+  }
+  if (threadIdx.y == 0) {
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
+      if (col >= N) continue;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if (partial) {
+          C* p = partial + (cl_i64)blockIdx.x * 2 * N;
+          if (want_g) p[col + j] = acc_g[k][j];
+          if (want_b) p[N + col + j] = acc_b[k][j];
+        } else {
+          if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
+          if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
+        }
+      }
+    }
+  }
+  if (partial) return;
+
+  // Atomic mode: the last block to finish casts the accumulated vector into dgamma/dbeta.
+  __shared__ bool is_last;
+  __threadfence();
+  __syncthreads();
+  const int tid = threadIdx.y * blockDim.x + t;
+  if (tid == 0) is_last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const volatile C* acc = accum;
+  for (cl_i64 col = tid; col < N; col += (cl_i64)blockDim.x * blockDim.y) {
+    if (want_g) dgamma[col] = Store<W>::cvt(acc[col]);
+    if (want_b) dbeta[col] = Store<W>::cvt(acc[N + col]);
+  }
+}
+
+// The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers
+// hold: one row per block (blockDim.y == 1), the row read in chunks of blockDim.x * NPT * VEC.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+__global__ void __launch_bounds__(1024)
+norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
+                 const W* __restrict__ gamma, const float* __restrict__ mean,
+                 const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
+                 cl_i64 M, cl_i64 N) {
+  typedef typename Acc<T>::type C;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x) {
+    const T* xr = x + row * ldx;
+    const T* dyr = dy + row * lddy;
+    const C mu = LN ? (C)mean[row] : C(0);
+    const C rs = (C)rstd[row];
+    C s[2] = {C(0), C(0)};
+    for (cl_i64 c0 = 0; c0 < N; c0 += (cl_i64)blockDim.x * NPT * VEC) {
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+        if (col >= N) continue;
+        C xv[VEC], dv[VEC], g[VEC];
+        load_vec<VEC>(xr + col, xv);
+        load_vec<VEC>(dyr + col, dv);
+        if (gamma) {
+          load_vec<VEC>(gamma + col, g);
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) g[j] = C(1);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const C gj = g[j] * dv[j];
+          s[0] += gj;
+          s[1] += gj * ((xv[j] - mu) * rs);
+        }
+      }
+    }
+    row_allreduce<WARP>(s);
+    if (threadIdx.x == 0) {
+      rowsums[2 * row] = s[0];
+      rowsums[2 * row + 1] = s[1];
+    }
+  }
+}
+
+// Deterministic dgamma/dbeta: sum the [P, 2N] partials over P in a fixed order and cast.
+// blockDim = (32, 8): 32 columns per block, 8 strided partial rows per column, then a fixed
+// sequential sum of the 8.
+template <typename C, typename W>
+__global__ void __launch_bounds__(256)
+norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict__ dgamma,
+                W* __restrict__ dbeta) {
+  __shared__ C part[8][33];
+  const cl_i64 col = (cl_i64)blockIdx.x * 32 + threadIdx.x;  // in [0, 2N)
+  const bool is_g = col < N;
+  W* out = is_g ? dgamma : dbeta;
+  const bool active = col < 2 * N && out != nullptr;
+  C s = C(0);
+  if (active) {
+    for (cl_i64 p = threadIdx.y; p < P; p += 8) s += partial[p * 2 * N + col];
+  }
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && active) {
+    C tot = C(0);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) tot += part[r][threadIdx.x];
+    out[is_g ? col : col - N] = Store<W>::cvt(tot);
+  }
+}
