@@ -285,7 +285,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         wdtype = x.dtype if gamma is None else gamma.dtype
         dx = cp.empty(x.shape, x.dtype) if need_dx else None
         if not M:
-            dg, db = (cp.zeros(norm_shape, wdtype) if f else None for f in (need_dgamma, need_dbeta))
+            dg, db = (cp.zeros(norm_shape, wdtype) if f else None
+                      for f in (need_dgamma, need_dbeta))
             return dx, dg, db
         dgamma = cp.empty(norm_shape, wdtype) if need_dgamma else None
         dbeta = cp.empty(norm_shape, wdtype) if need_dbeta else None

@@ -1,8 +1,8 @@
-"""NumPy float64 reference of LayerNorm and RMSNorm, forward and backward: the oracle of every test.
+"""NumPy float64 reference of LayerNorm and RMSNorm, forward and backward: the test oracle.
 
 Every function takes arrays of any supported dtype (float16, bfloat16, float32, float64),
-computes in float64 and returns float64 arrays. ``norm_ndim`` is the number of trailing axes that are
-normalized; the leading axes are rows. No validation here: the public API validates.
+computes in float64 and returns float64 arrays. ``norm_ndim`` is the number of trailing axes
+that are normalized; the leading axes are rows. No validation here: the public API validates.
 """
 
 from __future__ import annotations
