@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -62,7 +63,10 @@ class Spec(NamedTuple):
 
 
 def _read(name):
-    return importlib.resources.files("cupyln.kernels").joinpath(name).read_text()
+    try:  # installed: the wheel maps kernels/ to cupyln.kernels
+        return importlib.resources.files("cupyln.kernels").joinpath(name).read_text()
+    except ModuleNotFoundError:  # imported from a source checkout: kernels/ beside cupyln/
+        return (Path(__file__).resolve().parent.parent / "kernels" / name).read_text()
 
 
 @functools.cache

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
+# Logs go to $OUT; a short table is printed last. Usage (on the device machine):
+#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
+# Carried compile cache from an earlier call, if any (saves the NVRTC time).
+[ -f .cupy_cache/cache.tgz ] && mkdir -p "$CUPY_CACHE_DIR" && tar xzf .cupy_cache/cache.tgz -C "$CUPY_CACHE_DIR"
+stages=${*:-tests fuzz big sanitize bench}
+summary=()
+python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$(date +%s)
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local last
+  last=$(grep -E "passed|failed|error|ERROR SUMMARY" "$OUT/$name.log" | tail -n 1)
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$last")")
+}
+
+for s in $stages; do
+  case $s in
+    tests) run tests python3 -m pytest -m "gpu and not slow" -q -p no:cacheprovider tests/test_gpu.py ;;
+    fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
+            run fuzz python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fuzz ;;
+    big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu.py ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        run "san_$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_cases.py
+      done ;;
+    bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
+  esac
+done
+mkdir -p "$OUT/cache" && tar czf "$OUT/cache/cache.tgz" -C "$CUPY_CACHE_DIR" . 2>/dev/null
+echo; echo "==== failures (first lines) ===="
+grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
+echo; echo "==== summary ===="
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,36 @@
+"""Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
+
+Variants: forward (one chunk, several chunks), backward with atomics and deterministic, for
+short rows (several per block), block rows, and long rows (row sums + column tiles); LayerNorm
+and RMSNorm. Exits non-zero when an output misses the reference tolerance.
+"""
+
+import sys
+
+import cupy as cp
+import numpy as np
+
+from cupyln import _check
+
+CASES = [  # (op, M, N, dtype, param dtype)
+    ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
+    ("rmsnorm", 9, 24, "bfloat16", None),
+    ("layernorm", 33, 1000, "float32", None),        # one block per row
+    ("rmsnorm", 33, 1000, "float16", None),
+    ("layernorm", 5, 40000, "float16", None),        # several chunks; long-row backward
+    ("rmsnorm", 5, 40000, "bfloat16", "float32"),
+    ("layernorm", 600, 4096, "bfloat16", None),      # medium
+    ("rmsnorm", 600, 4096, "float16", "float32"),
+]
+
+bad = 0
+for op, M, N, dt, wdt in CASES:
+    for det in (False, True):
+        rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
+        cp.cuda.Device().synchronize()
+        worst = max(rows, key=lambda r: r[1] / r[2])
+        ok = all(err <= tol for _, err, tol in rows)
+        bad += not ok
+        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} worst {worst[0]}={worst[1]:.2e} "
+              f"{'ok' if ok else 'FAIL'}")
+sys.exit(1 if bad else 0)

@@ -1,0 +1,272 @@
+"""GPU path against the float64 reference. Marked `gpu`: skipped where no GPU is present."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import BOUNDARY_N
+
+import cupyln
+from cupyln import reference as ref
+from cupyln._check import TOL, max_err
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F32, F64 = (np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32,
+                                            np.float64))
+PAIRS = [(F16, F16), (F16, F32), (BF16, BF16), (BF16, F32), (F32, F32), (F64, F64)]
+
+
+def host(shape, dtype, seed, scale=1.0, offset=0.0):
+    rng = np.random.default_rng(seed)
+    return (offset + scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def assert_close(out, want, name):
+    err = max_err(out, want)
+    tol = TOL[np.dtype(out.dtype)]
+    assert err <= tol, f"{name}: max error {err:.3g} > {tol:g}"
+
+
+def check_case(op, x_h, dy_h, g_h, b_h, *, layout=lambda a: a, k=None, deterministic=False,
+               need=(True, True, True)):
+    """Run fwd + bwd on the GPU with inputs made by `layout` from host arrays; compare every
+    output (including None-ness) with the reference."""
+    x, dy = layout(cp.asarray(x_h)), layout(cp.asarray(dy_h))
+    g = None if g_h is None else cp.asarray(g_h)
+    b = None if b_h is None else cp.asarray(b_h)
+    kw = {} if k is None or g is not None or b is not None else {"normalized_shape": x.shape[-k:]}
+    if op == "ln":
+        y, mean, rstd = cupyln.layer_norm_fwd(x, g, b, eps=1e-5, **kw)
+        ry, rm, rr = ref.layer_norm_fwd(x_h, g_h, b_h, 1e-5, k)
+        assert_close(mean, rm, "mean")
+        dx, dg, db = cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dx=need[0],
+                                           need_dgamma=need[1], need_dbeta=need[2],
+                                           deterministic=deterministic)
+        rdx, rdg, rdb = ref.layer_norm_bwd(dy_h, x_h, g_h, mean.get(), rstd.get())
+    else:
+        y, rstd = cupyln.rms_norm_fwd(x, g, eps=1e-6, **kw)
+        ry, rr = ref.rms_norm_fwd(x_h, g_h, 1e-6, k)
+        dx, dg = cupyln.rms_norm_bwd(dy, x, g, rstd, need_dx=need[0], need_dgamma=need[1],
+                                     deterministic=deterministic)
+        db = None
+        rdx, rdg = ref.rms_norm_bwd(dy_h, x_h, g_h, rstd.get())
+    assert y.dtype == x.dtype and rstd.dtype == F32
+    assert_close(y, ry, "y")
+    assert_close(rstd, rr, "rstd")
+    assert (dx is None) == (not need[0])
+    assert (dg is None) == (not need[1] or g is None)
+    if dx is not None:
+        assert dx.dtype == x.dtype and dx.shape == x.shape
+        assert_close(dx, rdx, "dx")
+    if dg is not None:
+        assert dg.dtype == g.dtype
+        assert_close(dg, rdg, "dgamma")
+    if op == "ln":
+        assert (db is None) == (not need[2])
+        if db is not None:
+            assert db.dtype == (x.dtype if g is None else g.dtype)
+            assert_close(db, rdb, "dbeta")
+    return dg, db
+
+
+def inputs(M, N, dtype, wdtype, has_g=True, has_b=True, seed=0):
+    shape = (M, N)
+    x = host(shape, dtype, seed, 0.5, -2.3)
+    dy = host(shape, dtype, seed + 1, 0.1)
+    g = host((N,), wdtype, seed + 2, 0.2, 1.0) if has_g else None
+    b = host((N,), wdtype, seed + 3, 0.2) if has_b else None
+    return x, dy, g, b
+
+
+# --------------------------------------------------------------------------- sizes and dtypes
+
+SIZES = [(m, n) for n in BOUNDARY_N for m in (0, 1, 37, 199)]
+SIZES += [(1025, n) for n in (1, 33, 760, 2001)] + [(65537, n) for n in (1, 32, 129, 760)]
+SIZES += [(7, n) for n in (4096, 8192, 16384, 32768, 40000, 65536)]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N", SIZES)
+def test_sizes(op, M, N):
+    dt, wdt = PAIRS[(M + N) % len(PAIRS)]  # spread dtype pairs over the sizes
+    check_case(op, *inputs(M, N, dt, wdt))
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("dt,wdt", PAIRS)
+@pytest.mark.parametrize("has_g,has_b", [(True, True), (True, False), (False, True),
+                                         (False, False)])
+@pytest.mark.parametrize("N", [64, 1000, 4096, 12288])
+def test_dtypes_and_parameters(op, dt, wdt, has_g, has_b, N):
+    check_case(op, *inputs(67, N, dt, wdt, has_g, has_b and op == "ln"))
+
+
+@pytest.mark.parametrize("need", [(True, False, False), (False, True, False),
+                                  (False, False, True), (False, True, True),
+                                  (False, False, False)])
+@pytest.mark.parametrize("N", [33, 2048, 20000])
+def test_need_flags(need, N):
+    check_case("ln", *inputs(45, N, F16, F32), need=need)
+    check_case("rms", *inputs(45, N, BF16, BF16), need=need)
+
+
+def test_float64_with_float32_parameters():
+    check_case("ln", *inputs(19, 300, F64, F32))
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_leading_dims_and_multi_dim_gamma():
+    x = host((3, 5, 4, 6), F16, 0, 0.5, -2.3)
+    dy = host((3, 5, 4, 6), F16, 1, 0.1)
+    g = host((4, 6), F32, 2, 0.2, 1.0)
+    b = host((4, 6), F32, 3, 0.2)
+    check_case("ln", x, dy, g, b, k=2)
+    check_case("rms", x, dy, g, None, k=2)
+    check_case("ln", x, dy, None, None, k=2)  # normalized_shape=(4, 6)
+
+
+LAYOUTS = {
+    "row slice of a wider buffer": lambda a: cp.pad(a, ((0, 0), (3, 5)))[:, 3:-5],
+    "every other row": lambda a: cp.repeat(a, 2, axis=0)[::2],
+    "reversed rows": lambda a: a[::-1].copy()[::-1],
+    "reversed columns": lambda a: a[:, ::-1].copy()[:, ::-1],
+    "transposed (copy path)": lambda a: cp.asfortranarray(a),
+    "misaligned base": lambda a: cp.concatenate([cp.zeros(1, a.dtype), a.ravel()])[1:].reshape(
+        a.shape),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+@pytest.mark.parametrize("N", [8, 760, 4096, 20000])
+def test_layouts(layout, N):
+    f = LAYOUTS[layout]
+    check_case("ln", *inputs(33, N, F16, F16), layout=f)
+    check_case("rms", *inputs(33, N, F32, F32), layout=f)
+
+
+def test_non_blocking_stream():
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        check_case("ln", *inputs(513, 2048, BF16, F32))
+        check_case("rms", *inputs(513, 20000, F16, F16))
+    s.synchronize()
+
+
+def test_outputs_fully_written_over_garbage():
+    """Fill the memory pool with NaN bytes first: every output element must be overwritten."""
+    pool = cp.get_default_memory_pool()
+    for N in (31, 1024, 20000):
+        junk = cp.full(64 << 20, 0xFF, dtype=cp.uint8)  # NaN in every float format
+        del junk
+        for op in ("ln", "rms"):
+            check_case(op, *inputs(77, N, F16, F32), deterministic=N == 1024)
+        pool.free_all_blocks()
+
+
+def test_nan_and_inf_stay_in_their_rows():
+    x, dy, g, b = inputs(64, 1000, F32, F32)
+    x[5, 17] = np.nan
+    x[9, 3] = np.inf
+    xs, dys = cp.asarray(x), cp.asarray(dy)
+    gs, bs = cp.asarray(g), cp.asarray(b)
+    y, mean, rstd = cupyln.layer_norm_fwd(xs, gs, bs)
+    dx, dg, db = cupyln.layer_norm_bwd(dys, xs, gs, mean, rstd)
+    bad = np.zeros(64, bool)
+    bad[[5, 9]] = True
+    assert np.isnan(y.get()[bad]).all(axis=1).all()
+    assert np.isfinite(y.get()[~bad]).all() and np.isfinite(dx.get()[~bad]).all()
+    ry, _, _ = ref.layer_norm_fwd(x[~bad], g, b)
+    assert_close(y[cp.asarray(~bad)], ry, "y")
+    assert np.isfinite(db.get()).all()  # dy is finite: dbeta never sees x
+    assert_close(db, dy.astype(np.float64).sum(0), "dbeta")
+    assert np.isnan(dg.get()).all()  # every column touches the NaN rows' xhat
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N", [(4099, 1024), (1000, 33), (257, 20000)])
+def test_deterministic_is_bitwise_repeatable(op, M, N):
+    x, dy, g, b = inputs(M, N, F16, F32)
+    dg0, db0 = check_case(op, x, dy, g, b, deterministic=True)
+    for _ in range(3):
+        dg, db = check_case(op, x, dy, g, b, deterministic=True)
+        assert cp.array_equal(dg, dg0)
+        if db0 is not None:
+            assert cp.array_equal(db, db0)
+
+
+# --------------------------------------------------------------------------- validation on GPU
+
+
+def test_mixed_numpy_and_cupy_raise_type_error():
+    x = cp.ones((4, 8), cp.float32)
+    with pytest.raises(TypeError, match="gamma is a numpy array"):
+        cupyln.layer_norm_fwd(x, np.ones(8, np.float32))
+    _, mean, rstd = cupyln.layer_norm_fwd(x)
+    with pytest.raises(TypeError, match="mean is a numpy array"):
+        cupyln.layer_norm_bwd(x, x, None, mean.get(), rstd)
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+@st.composite
+def gpu_problem(draw):
+    n = draw(st.one_of(st.sampled_from(BOUNDARY_N), st.integers(1, 3000)))
+    m = draw(st.integers(0, max(0, min(300, 200_000 // n))))
+    dt, wdt = draw(st.sampled_from(PAIRS))
+    op = draw(st.sampled_from(["ln", "rms"]))
+    has_g, has_b = draw(st.booleans()), draw(st.booleans()) and op == "ln"
+    layout = draw(st.sampled_from(sorted(LAYOUTS)))
+    det = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31))
+    return op, m, n, dt, wdt, has_g, has_b, layout, det, seed
+
+
+@given(gpu_problem())
+def test_fuzz_against_reference(p):
+    op, m, n, dt, wdt, has_g, has_b, layout, det, seed = p
+    check_case(op, *inputs(m, n, dt, wdt, has_g, has_b, seed), layout=LAYOUTS[layout],
+               deterministic=det)
+
+
+# --------------------------------------------------------------------------- big
+
+
+@pytest.mark.slow
+def test_over_2_pow_31_elements():
+    """bfloat16 (2^21 + 3) x 1024: rows around element 2^31 and the last row, against the
+    reference on those rows alone (rows are independent)."""
+    M, N = (1 << 21) + 3, 1024
+    x = cp.empty((M, N), BF16)
+    dy = cp.empty((M, N), BF16)
+    rs = cp.random.RandomState(1)
+    for a, sc, off in ((x, 0.5, -2.3), (dy, 0.1, 0.0)):
+        for i in range(0, M, 1 << 18):  # fill in slices to bound the float32 temporaries
+            a[i : i + (1 << 18)] = (off + sc * rs.standard_normal((min(1 << 18, M - i), N),
+                                                                  dtype=cp.float32)).astype(BF16)
+    g = cp.asarray(host((N,), BF16, 2, 0.2, 1.0))
+    y, mean, rstd = cupyln.layer_norm_fwd(x, g)
+    dx, dg, db = cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dgamma=False,
+                                       need_dbeta=False)
+    rows = np.array([(1 << 21) - 2, (1 << 21) - 1, 1 << 21, (1 << 21) + 1, M - 1])
+    xh, dyh = x[rows].get(), dy[rows].get()
+    ry, rm, rr = ref.layer_norm_fwd(xh, g.get(), None)
+    assert_close(y[rows], ry, "y")
+    assert_close(rstd[rows], rr, "rstd")
+    rdx, _, _ = ref.layer_norm_bwd(dyh, xh, g.get(), mean[rows].get(), rstd[rows].get())
+    assert_close(dx[rows], rdx, "dx")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["ln", "rms"])
+def test_one_million_columns(op):
+    check_case(op, *inputs(3, 1 << 20, F16, F32))
+    check_case(op, *inputs(2, 1 << 20, F32, F32), deterministic=True)
