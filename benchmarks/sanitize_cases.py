@@ -8,7 +8,6 @@ and RMSNorm. Exits non-zero when an output misses the reference tolerance.
 import sys
 
 import cupy as cp
-import numpy as np
 
 from cupyln import _check
 
