@@ -1,0 +1,318 @@
+"""Benchmark cupyln against PyTorch and Liger-Kernel on one GPU, in one process.
+
+    python -m cupyln bench [--shapes FILE] [--shape OP M N DTYPE ...] [--out JSON] [--plot PNG]
+
+Device time: CUDA-event medians after warm-up, each call behind a 256 MiB memset that evicts the
+L2 cache and keeps the GPU busy while the host enqueues the call, so host launch cost stays out
+of device time (as in triton.testing.do_bench). GB/s count the bytes
+each pass must move (forward 2*M*N*s, backward 3*M*N*s, plus parameters and statistics); every
+ratio is against the device-to-device copy bandwidth measured in the same run. Host time of a
+hot call: 2,000 back-to-back calls at 32x512 float16 with one synchronize. The JSON schema is
+documented in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import time
+
+import cupy as cp
+import numpy as np
+import cupyln
+
+from .api import BFLOAT16
+
+SCHEMA_VERSION = 1
+
+
+_FLUSH = {}
+
+
+def device_us(fn, n_warmup=10, n_repeat=100):
+    """Median device time of fn() in microseconds, cold L2, host launch cost hidden."""
+    flush = _FLUSH.get("buf")
+    if flush is None:
+        flush = _FLUSH["buf"] = cp.empty(256 << 20, cp.uint8)
+    for _ in range(n_warmup):
+        fn()
+    starts = [cp.cuda.Event() for _ in range(n_repeat)]
+    ends = [cp.cuda.Event() for _ in range(n_repeat)]
+    for s, e in zip(starts, ends, strict=True):
+        flush.fill(0)
+        s.record()
+        fn()
+        e.record()
+    ends[-1].synchronize()
+    ms = [cp.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends, strict=True)]
+    return float(np.median(ms)) * 1e3
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    """Device-to-device copy of a 4 GiB buffer, in GB/s counting bytes read plus written."""
+    src = cp.empty(nbytes // 2, cp.uint8)
+    dst = cp.empty_like(src)
+    src.fill(1)
+
+    def copy():
+        dst.data.copy_from_device_async(src.data, src.nbytes)
+
+    us = device_us(copy, n_warmup=3, n_repeat=20)
+    del src, dst
+    return 2 * (nbytes // 2) / us / 1e3
+
+
+def moved_bytes(op, pass_, M, N, isz, wsz):
+    stats = (2 if op == "layernorm" else 1) * M * 4
+    params = (2 if op == "layernorm" else 1) * N * wsz
+    if pass_ == "fwd":
+        return 2 * M * N * isz + params + stats
+    # backward reads x, dy, gamma, stats; writes dx, dgamma (and dbeta)
+    return 3 * M * N * isz + N * wsz + params + stats
+
+
+# ----------------------------------------------------------------------------- providers
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _liger():
+    try:
+        from liger_kernel.ops import layer_norm as lln
+        from liger_kernel.ops import rms_norm as lrms
+
+        return lln, lrms
+    except Exception:
+        return None
+
+
+def _to_torch(torch, a):
+    if a.dtype == BFLOAT16:  # through int16 bits: not every DLPack path knows bfloat16
+        return torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(a)
+
+
+def make_inputs(M, N, dtype, seed=0):
+    """x = -2.3 + 0.5 randn, dy = 0.1 randn (Triton's tutorial), gamma/beta random; x's dtype."""
+    rs = cp.random.RandomState(seed)
+    x = (-2.3 + 0.5 * rs.standard_normal((M, N), dtype=cp.float32)).astype(dtype)
+    dy = (0.1 * rs.standard_normal((M, N), dtype=cp.float32)).astype(dtype)
+    g = (1.0 + 0.1 * rs.standard_normal(N, dtype=cp.float32)).astype(dtype)
+    b = (0.1 * rs.standard_normal(N, dtype=cp.float32)).astype(dtype)
+    return x, dy, g, b
+
+
+def cases(op, x, dy, g, b, torch, liger):
+    """{(provider, pass): callable} on identical inputs."""
+    N = x.shape[-1]
+    out = {}
+    if op == "layernorm":
+        y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+        out["cupyln", "fwd"] = lambda: cupyln.layer_norm_fwd(x, g, b)
+        out["cupyln", "bwd"] = lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd)
+    else:
+        y, rstd = cupyln.rms_norm_fwd(x, g)
+        out["cupyln", "fwd"] = lambda: cupyln.rms_norm_fwd(x, g)
+        out["cupyln", "bwd"] = lambda: cupyln.rms_norm_bwd(dy, x, g, rstd)
+    if torch is not None:
+        tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
+        if op == "layernorm":
+            ln = torch.ops.aten.native_layer_norm
+            _, tm, tr = ln(tx, [N], tg, tb, 1e-5)
+            out["torch", "fwd"] = lambda: ln(tx, [N], tg, tb, 1e-5)
+            lnb = torch.ops.aten.native_layer_norm_backward
+            out["torch", "bwd"] = lambda: lnb(tdy, tx, [N], tm, tr, tg, tb, [True, True, True])
+        else:
+            F = torch.nn.functional
+            out["torch", "fwd"] = lambda: F.rms_norm(tx, [N], tg, 1e-6)
+            xr = tx.detach().requires_grad_()
+            gr = tg.detach().requires_grad_()
+            yr = F.rms_norm(xr, [N], gr, 1e-6)
+            out["torch", "bwd"] = lambda: torch.autograd.grad(yr, (xr, gr), tdy,
+                                                              retain_graph=True)
+    if torch is not None and liger is not None:
+        lln, lrms = liger
+        if op == "layernorm":
+            _, _, lm, lr, _, _ = lln.layer_norm_forward(tx, tg, tb, 1e-5)
+            out["liger", "fwd"] = lambda: lln.layer_norm_forward(tx, tg, tb, 1e-5)
+            out["liger", "bwd"] = lambda: lln.layer_norm_backward(tdy, tx, tg, tb, lm, lr)
+        else:
+            _, _, lr, bs, nw, cm = lrms.rms_norm_forward(tx, tg, 1e-6, 0.0, "llama", None)
+            out["liger", "fwd"] = lambda: lrms.rms_norm_forward(tx, tg, 1e-6, 0.0, "llama", None)
+            out["liger", "bwd"] = lambda: lrms.rms_norm_backward(tdy, tx, tg, lr, 0.0, cm, bs, nw,
+                                                                 False, None)
+    return out
+
+
+# ----------------------------------------------------------------------------- host time
+
+
+def host_us_per_call(fn, calls=2000):
+    """Host time per call of `calls` back-to-back calls, one synchronize at the end."""
+    for _ in range(20):
+        fn()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def host_rows(torch):
+    x, dy, g, b = make_inputs(32, 512, np.float16)
+    y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+    rows = [("cupyln", "fwd_host", lambda: cupyln.layer_norm_fwd(x, g, b)),
+            ("cupyln", "bwd_host", lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd))]
+    if torch is not None:
+        tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
+        _, tm, tr = torch.ops.aten.native_layer_norm(tx, [512], tg, tb, 1e-5)
+        F, lnb = torch.nn.functional, torch.ops.aten.native_layer_norm_backward
+        rows += [("torch", "fwd_host", lambda: F.layer_norm(tx, [512], tg, tb, 1e-5)),
+                 ("torch", "bwd_host",
+                  lambda: lnb(tdy, tx, [512], tm, tr, tg, tb, [True, True, True]))]
+    return [{"op": "layernorm", "M": 32, "N": 512, "dtype": "float16", "pass": p,
+             "provider": prov, "us": host_us_per_call(fn), "GBs": None} for prov, p, fn in rows]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def load_shapes(path=None):
+    if path is None:
+        text = importlib.resources.files("cupyln").joinpath("benchmark_shapes.json").read_text()
+    else:
+        with open(path) as f:
+            text = f.read()
+    d = json.loads(text)
+    return [(op, M, N, dt) for op in ("layernorm", "rmsnorm") for M, N, dt in d.get(op, [])]
+
+
+def run(shapes, progress=True):
+    torch, liger = _torch(), _liger()
+    copy = copy_bandwidth()
+    rows = []
+    it = shapes
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(shapes, desc="benchmark", unit="shape")
+    for op, M, N, dt in it:
+        dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+        x, dy, g, b = make_inputs(M, N, dtype)
+        for (prov, pass_), fn in cases(op, x, dy, g, b, torch, liger).items():
+            try:
+                us = device_us(fn)
+            except Exception as e:  # a peer that cannot run a shape is reported, not fatal
+                print(f"{prov} {op} {pass_} {M}x{N} {dt}: {type(e).__name__}: {e}")
+                continue
+            gbs = moved_bytes(op, pass_, M, N, dtype.itemsize, dtype.itemsize) / us / 1e3
+            rows.append({"op": op, "M": M, "N": N, "dtype": dt, "pass": pass_,
+                         "provider": prov, "us": us, "GBs": gbs})
+        del x, dy, g, b
+        cp.get_default_memory_pool().free_all_blocks()
+    rows += host_rows(torch)
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    return {
+        "schema": SCHEMA_VERSION,
+        "device": props["name"].decode(),
+        "copy_GBs": copy,
+        "versions": {"cupyln": cupyln.__version__, "cupy": cp.__version__,
+                     "torch": getattr(torch, "__version__", None),
+                     "liger": _liger_version() if liger else None},
+        "rows": rows,
+    }
+
+
+def _liger_version():
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:
+        return "unknown"
+
+
+def table(result):
+    """One line per (op, shape, pass): cupyln us, GB/s, % of copy, best peer and the ratio."""
+    copy = result["copy_GBs"]
+    by = {}
+    for r in result["rows"]:
+        if r["GBs"] is None:
+            continue
+        by.setdefault((r["op"], r["M"], r["N"], r["dtype"], r["pass"]), {})[r["provider"]] = r
+    lines = [f"copy bandwidth {copy:.0f} GB/s on {result['device']}",
+             f"{'op':<9} {'M':>6} {'N':>6} {'dtype':<8} {'pass':<4} {'cupyln us':>9} "
+             f"{'GB/s':>6} {'%copy':>6} {'torch us':>9} {'liger us':>9} {'best/cupyln':>11}"]
+    for (op, M, N, dt, p), d in by.items():
+        c = d.get("cupyln")
+        if c is None:
+            continue
+        peers = [d[k]["us"] for k in ("torch", "liger") if k in d]
+        t = d.get("torch", {}).get("us")
+        li = d.get("liger", {}).get("us")
+        ratio = f"{min(peers) / c['us']:.2f}x" if peers else "-"
+        lines.append(
+            f"{op:<9} {M:>6} {N:>6} {dt:<8} {p:<4} {c['us']:>9.1f} {c['GBs']:>6.0f} "
+            f"{100 * c['GBs'] / copy:>5.1f}% {t if t is None else f'{t:9.1f}':>9} "
+            f"{li if li is None else f'{li:9.1f}':>9} {ratio:>11}")
+    for r in result["rows"]:
+        if r["GBs"] is None:
+            lines.append(f"host time {r['provider']:<7} {r['pass']:<9} {r['us']:7.2f} us/call "
+                         f"({r['op']} {r['M']}x{r['N']} {r['dtype']})")
+    return "\n".join(lines)
+
+
+def plot(result, path, M=4096, dtype="float16", op="layernorm"):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, p in zip(axes, ("fwd", "bwd"), strict=True):
+        for prov in ("cupyln", "torch", "liger"):
+            pts = sorted((r["N"], r["GBs"]) for r in result["rows"]
+                         if r["provider"] == prov and r["pass"] == p and r["M"] == M
+                         and r["dtype"] == dtype and r["op"] == op and r["GBs"])
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=prov)
+        ax.axhline(result["copy_GBs"], color="gray", ls="--", label="D2D copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N")
+        ax.set_title(f"{op} {p}, M={M}, {dtype}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m cupyln bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", help="JSON file like benchmark_shapes.json (default: bundled)")
+    ap.add_argument("--shape", nargs=4, action="append", metavar=("OP", "M", "N", "DTYPE"),
+                    default=[], help="an extra shape, e.g. layernorm 4096 1024 float16")
+    ap.add_argument("--only", action="store_true", help="only the --shape shapes")
+    ap.add_argument("--out", default="bench.json", help="JSON output path")
+    ap.add_argument("--plot", default=None, help="PNG plot path")
+    a = ap.parse_args(argv)
+    shapes = [] if a.only else load_shapes(a.shapes)
+    shapes += [(op, int(M), int(N), dt) for op, M, N, dt in a.shape]
+    result = run(shapes)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if a.plot:
+        plot(result, a.plot)
+    print(table(result))
+    return 0
+
