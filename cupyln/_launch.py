@@ -22,11 +22,9 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 _NULL = np.uint64(0)  # a null pointer argument
 
 # Geometry constants (see row_geometry).
-TPR_TARGET = 256  # grow threads per row up to this before giving each thread more vectors
-MIN_BLOCK = 128  # threads per block when several short rows share a block
-FWD_TPR_MAX, FWD_NPTS = 1024, (1, 2, 4)  # forward keeps up to 4 vectors/thread in registers
-BWD_TPR_MAX, BWD_NPTS = 512, (1, 2)  # backward also holds dy and two partial-sum arrays
-TILE_TPR, TILE_NPT = 256, 2  # long-row backward: column tile of one block
+FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 1024, 256  # forward: up to 4 vectors per thread in flight
+BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 2, 512, 256  # backward also holds dy and two partial sums
+TILE_TPR = 256  # long-row backward: threads of one column tile (BWD_NPT vectors each)
 ROWSUMS_TPR = 1024
 
 
@@ -38,6 +36,10 @@ def _round_up(a, b):
     return _cdiv(a, b) * b
 
 
+def _pow2_ceil(a):
+    return 1 << (max(a, 1) - 1).bit_length()
+
+
 class Geometry(NamedTuple):
     tpr: int  # threads per row (blockDim.x)
     npt: int  # vectors per thread per chunk
@@ -45,26 +47,24 @@ class Geometry(NamedTuple):
     fits: bool  # the whole row is one chunk in registers
 
 
-def row_geometry(nvec, warp, tpr_max, npts):
+def row_geometry(nvec, warp, npt_max, tpr_max, block):
     """How a row of ``nvec`` vectors maps onto threads.
 
-    Short rows (up to a warp) take a power-of-two group of lanes, several rows per block. Longer
-    rows take whole warps: threads per row grow to TPR_TARGET, then each thread holds more
-    vectors (up to ``npts[-1]``), then threads grow to ``tpr_max``; beyond that the row is
-    processed in chunks.
+    Each thread keeps up to ``npt_max`` independent vector loads in flight. The threads of a
+    row are a power of two up to a warp (several rows then share a warp, reducing with
+    shuffles only) or whole warps up to ``tpr_max``; rows longer than ``tpr_max * npt_max``
+    vectors are processed in chunks. Rows are stacked in blockDim.y up to ``block`` threads.
     """
-    if nvec <= warp:
-        tpr = 1 << (nvec - 1).bit_length()
-        return Geometry(tpr, 1, max(1, MIN_BLOCK // tpr), True)
-    for npt in npts:
-        tpr = _round_up(_cdiv(nvec, npt), warp)
-        if tpr <= TPR_TARGET:
-            return Geometry(tpr, npt, 1, True)
-    npt = npts[-1]
-    tpr = _round_up(_cdiv(nvec, npt), warp)
-    if tpr <= tpr_max:
-        return Geometry(tpr, npt, 1, True)
-    return Geometry(tpr_max, npt, 1, False)
+    tpr = _cdiv(nvec, npt_max)
+    if tpr <= warp:
+        tpr = _pow2_ceil(tpr)
+        npt = min(npt_max, _pow2_ceil(_cdiv(nvec, tpr)))
+    else:
+        tpr, npt = _round_up(tpr, warp), npt_max
+    fits = tpr <= tpr_max
+    if not fits:
+        tpr = tpr_max
+    return Geometry(tpr, npt, max(1, block // tpr), fits)
 
 
 def vec_options(dtype):
@@ -81,13 +81,15 @@ def all_kernel_names(warp):
     """Name expressions of every kernel the planner can launch on a device of this warp size."""
     pairs = [(FLOAT16, FLOAT16), (FLOAT16, FLOAT32), (BFLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
              (FLOAT32, FLOAT32), (FLOAT64, FLOAT64), (FLOAT64, FLOAT32)]
-    passes = {"fwd": FWD_NPTS, "bwd": sorted(set(BWD_NPTS) | {TILE_NPT})}
+    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": range(1, BWD_NPT + 1)}
     names = set()
     for t, w in pairs:
         for ln in (True, False):
             for v in vec_options(t):
                 for pass_, npts in passes.items():
                     for n in npts:
+                        if n & (n - 1):
+                            continue  # vectors per thread are powers of two
                         names.update(Spec(t, w, ln, v, n, warp).names(pass_).values())
     return names
 
@@ -130,6 +132,7 @@ def _blocks_per_sm(kern, threads, smem, info):
 
 class Plan(NamedTuple):
     spec: Spec
+    kerns: dict  # the pass's RawKernels on the plan's device
     grid: tuple
     block: tuple
     smem: int
@@ -141,10 +144,10 @@ class Plan(NamedTuple):
 @functools.cache
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
-    g = row_geometry(N // vec, info.warp, FWD_TPR_MAX, FWD_NPTS)
+    g = row_geometry(N // vec, info.warp, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
-    grid = min(_cdiv(M, g.rpb), info.sms * 32)
-    return Plan(spec, (grid,), (g.tpr, g.rpb), 0)
+    grid = min(_cdiv(M, g.rpb), info.sms * 64)
+    return Plan(spec, _compile.kernels(spec, "fwd"), (grid,), (g.tpr, g.rpb), 0)
 
 
 @functools.cache
@@ -152,23 +155,23 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     """Backward geometry. The grid depends only on (device, dtypes, M, N, vec), so the
     deterministic reduction order is the same on every call."""
     info = device_info(dev_id)
-    g = row_geometry(N // vec, info.warp, BWD_TPR_MAX, BWD_NPTS)
+    g = row_geometry(N // vec, info.warp, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     acc_size = ACC_DTYPES[dtype].itemsize
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         threads = g.tpr * g.rpb
         smem = threads * vec * acc_size if g.rpb > 1 else 0
-        kern = _compile.kernels(spec, "bwd")["bwd"]
-        resident = info.sms * _blocks_per_sm(kern, threads, smem, info)
+        kerns = _compile.kernels(spec, "bwd")
+        resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
         grid = min(_cdiv(M, g.rpb), resident)
-        return Plan(spec, (grid, 1), (g.tpr, g.rpb), smem)
-    spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
-    tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
-    kern = _compile.kernels(spec, "bwd")["bwd"]
-    resident = info.sms * _blocks_per_sm(kern, TILE_TPR, 0, info)
+        return Plan(spec, kerns, (grid, 1), (g.tpr, g.rpb), smem)
+    spec = Spec(dtype, wdtype, is_ln, vec, BWD_NPT, info.warp)
+    tiles = _cdiv(N, TILE_TPR * BWD_NPT * vec)
+    kerns = _compile.kernels(spec, "bwd")
+    resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, 0, info)
     gx = max(1, min(M, _cdiv(resident, tiles)))
     rs_grid = min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4)
-    return Plan(spec, (gx, tiles), (TILE_TPR, 1), 0, (rs_grid,), (ROWSUMS_TPR, 1))
+    return Plan(spec, kerns, (gx, tiles), (TILE_TPR, 1), 0, (rs_grid,), (ROWSUMS_TPR, 1))
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -268,9 +271,8 @@ def forward(x, gamma, beta, eps, k, is_ln):
             ptrs += [(p.data.ptr, p.itemsize) for p in (gamma, beta) if p is not None]
             vec = _vec(x.dtype, N, (ldx,), ptrs)
             plan = plan_fwd(dev, x.dtype, wdtype, is_ln, M, N, vec)
-            kern = _compile.kernels(plan.spec, "fwd")["fwd"]
             acc = ACC_DTYPES[x.dtype].type
-            kern(plan.grid, plan.block,
+            plan.kerns["fwd"](plan.grid, plan.block,
                  (xr, np.int64(ldx), _ptr(gamma), _ptr(beta), y, _ptr(mean), rstd,
                   np.int64(M), np.int64(N), acc(eps)))
     return (y, mean, rstd) if is_ln else (y, rstd)
@@ -301,7 +303,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         ptrs += [(p.data.ptr, p.itemsize) for p in (dx, gamma, dgamma, dbeta) if p is not None]
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
-        kerns = _compile.kernels(plan.spec, "bwd")
+        kerns = plan.kerns
         acc_dtype = ACC_DTYPES[x.dtype]
         need_params = need_dgamma or need_dbeta
         accum = counter = partial = rowsums = None
