@@ -43,6 +43,8 @@ def dx_floor(dy, gamma, rstd):
     gives rstd * g * eps / (x^2 + eps)), and float32 then leaves an error relative to it."""
     dy = to_numpy(dy).astype(np.float64)
     r = to_numpy(rstd).astype(np.float64).reshape(-1, 1)
+    if r.size == 0:
+        return 0.0
     g = dy.reshape(r.shape[0], -1)
     if gamma is not None:
         g = g * to_numpy(gamma).astype(np.float64).reshape(-1)

@@ -3,8 +3,8 @@
     python -m cupyln bench [--shapes FILE] [--shape OP M N DTYPE ...] [--out JSON] [--plot PNG]
 
 Device time: CUDA-event medians after warm-up, each call behind a 256 MiB memset that evicts the
-L2 cache and keeps the GPU busy while the host enqueues the call, so host launch cost stays out
-of device time (as in triton.testing.do_bench). GB/s count the bytes
+L2 cache and a short spin kernel that keeps the GPU busy while the host enqueues the call, so
+host launch cost stays out of device time (it is measured separately). GB/s count the bytes
 each pass must move (forward 2*M*N*s, backward 3*M*N*s, plus parameters and statistics); every
 ratio is against the device-to-device copy bandwidth measured in the same run. Host time of a
 hot call: 2,000 back-to-back calls at 32x512 float16 with one synchronize. The JSON schema is
@@ -29,10 +29,20 @@ SCHEMA_VERSION = 1
 
 
 _FLUSH = {}
+_SPIN = cp.RawKernel(r"""
+extern "C" __global__ void cupyln_spin(long long cycles) {
+  long long t0 = clock64();
+  while (clock64() - t0 < cycles) { }
+}""", "cupyln_spin")
 
 
-def device_us(fn, n_warmup=10, n_repeat=100):
-    """Median device time of fn() in microseconds, cold L2, host launch cost hidden."""
+def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
+    """Median device time of fn() in microseconds, cold L2, host launch cost hidden.
+
+    Before each timed call: a 256 MiB memset evicts the L2 cache, then a one-thread kernel
+    spins ~300 us so that the host has enqueued every launch of the call before the GPU
+    reaches it (gaps between a call's own launches would otherwise count as device time).
+    """
     flush = _FLUSH.get("buf")
     if flush is None:
         flush = _FLUSH["buf"] = cp.empty(256 << 20, cp.uint8)
@@ -40,8 +50,10 @@ def device_us(fn, n_warmup=10, n_repeat=100):
         fn()
     starts = [cp.cuda.Event() for _ in range(n_repeat)]
     ends = [cp.cuda.Event() for _ in range(n_repeat)]
+    spin = np.int64(spin_cycles)
     for s, e in zip(starts, ends, strict=True):
         flush.fill(0)
+        _SPIN((1,), (1,), (spin,))
         s.record()
         fn()
         e.record()

@@ -1,0 +1,62 @@
+"""Geometry experiments: time cupyln under other values of the planner's constants.
+
+    python benchmarks/tune.py
+
+For each configuration the plan caches are cleared, and every shape's forward and backward are
+timed as the benchmark does; the kernels' register and local-memory use are printed with them.
+"""
+
+import itertools
+
+import cupy as cp
+import numpy as np
+
+import cupyln
+from cupyln import _launch
+from cupyln.api import BFLOAT16
+from cupyln.bench import device_us, make_inputs
+
+SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
+          ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
+          ("rmsnorm", 131072, 4096, "bfloat16"), ("layernorm", 131072, 64, "float16")]
+FWD = [dict(FWD_NPT=n, FWD_BLOCK=b) for n, b in itertools.product((1, 2, 4), (128, 256, 512))]
+BWD = [dict(BWD_NPT=n, BWD_BLOCK=b) for n, b in itertools.product((1, 2), (128, 256, 512))]
+
+
+def attrs(k):
+    return f"regs={k.num_regs} local={k.local_size_bytes}"
+
+
+def main():
+    copy = 4272.0
+    for op, M, N, dt in SHAPES:
+        dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+        x, dy, g, b = make_inputs(M, N, dtype)
+        isz = dtype.itemsize
+        for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
+            for cfg in configs:
+                for k, v in cfg.items():
+                    setattr(_launch, k, v)
+                _launch.plan_fwd.cache_clear()
+                _launch.plan_bwd.cache_clear()
+                if op == "layernorm":
+                    y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+                    fn = (lambda: cupyln.layer_norm_fwd(x, g, b)) if pass_ == "fwd" else (
+                        lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd))
+                else:
+                    y, rstd = cupyln.rms_norm_fwd(x, g)
+                    fn = (lambda: cupyln.rms_norm_fwd(x, g)) if pass_ == "fwd" else (
+                        lambda: cupyln.rms_norm_bwd(dy, x, g, rstd))
+                us = device_us(fn, n_repeat=30)
+                plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
+                    x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
+                gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3
+                print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {cfg} grid={plan.grid} "
+                      f"block={plan.block} {attrs(plan.kerns[pass_])}: {us:8.1f} us "
+                      f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
+        del x, dy, g, b
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
