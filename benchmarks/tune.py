@@ -11,10 +11,9 @@ import itertools
 import cupy as cp
 import numpy as np
 
-import cupyln
 from cupyln import _launch
 from cupyln.api import BFLOAT16
-from cupyln.bench import device_us, make_inputs
+from cupyln.bench import cases, device_us, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
@@ -39,22 +38,14 @@ def main():
                     setattr(_launch, k, v)
                 _launch.plan_fwd.cache_clear()
                 _launch.plan_bwd.cache_clear()
-                if op == "layernorm":
-                    y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
-                    fn = (lambda: cupyln.layer_norm_fwd(x, g, b)) if pass_ == "fwd" else (
-                        lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd))
-                else:
-                    y, rstd = cupyln.rms_norm_fwd(x, g)
-                    fn = (lambda: cupyln.rms_norm_fwd(x, g)) if pass_ == "fwd" else (
-                        lambda: cupyln.rms_norm_bwd(dy, x, g, rstd))
-                us = device_us(fn, n_repeat=30)
+                us = device_us(cases(op, x, dy, g, b, None, None)["cupyln", pass_], n_repeat=30)
                 plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
                     x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
                 gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3
                 print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {cfg} grid={plan.grid} "
                       f"block={plan.block} {attrs(plan.kerns[pass_])}: {us:8.1f} us "
                       f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
-        del x, dy, g, b
+        x = dy = g = b = None
         cp.get_default_memory_pool().free_all_blocks()
 
 
