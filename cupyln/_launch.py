@@ -22,8 +22,12 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 _NULL = np.uint64(0)  # a null pointer argument
 
 # Geometry constants (see row_geometry).
-FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 1024, 256  # forward: up to 4 vectors per thread in flight
-BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 2, 512, 256  # backward also holds dy and two partial sums
+# Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
+# the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
+FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
+# Backward also holds dy and two partial sums per element: one vector per thread while the row
+# fits in 512 threads, else two; 512-thread blocks, so fewer blocks flush dgamma/dbeta partials.
+BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512
 TILE_TPR = 256  # long-row backward: threads of one column tile (BWD_NPT vectors each)
 ROWSUMS_TPR = 1024
 
@@ -47,20 +51,24 @@ class Geometry(NamedTuple):
     fits: bool  # the whole row is one chunk in registers
 
 
-def row_geometry(nvec, warp, npt_max, tpr_max, block):
+def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
     """How a row of ``nvec`` vectors maps onto threads.
 
-    Each thread keeps up to ``npt_max`` independent vector loads in flight. The threads of a
-    row are a power of two up to a warp (several rows then share a warp, reducing with
+    Each thread keeps ``npt`` independent vector loads in flight: the smallest power of two from
+    ``npt_min`` that lets the row fit in ``tpr_max`` threads, at most ``npt_max``. The threads of
+    a row are a power of two up to a warp (several rows then share a warp, reducing with
     shuffles only) or whole warps up to ``tpr_max``; rows longer than ``tpr_max * npt_max``
     vectors are processed in chunks. Rows are stacked in blockDim.y up to ``block`` threads.
     """
-    tpr = _cdiv(nvec, npt_max)
+    npt = npt_min
+    while npt < npt_max and _cdiv(nvec, npt) > tpr_max:
+        npt *= 2
+    tpr = _cdiv(nvec, npt)
     if tpr <= warp:
         tpr = _pow2_ceil(tpr)
-        npt = min(npt_max, _pow2_ceil(_cdiv(nvec, tpr)))
+        npt = min(npt, _pow2_ceil(_cdiv(nvec, tpr)))
     else:
-        tpr, npt = _round_up(tpr, warp), npt_max
+        tpr = _round_up(tpr, warp)
     fits = tpr <= tpr_max
     if not fits:
         tpr = tpr_max
@@ -81,7 +89,7 @@ def all_kernel_names(warp):
     """Name expressions of every kernel the planner can launch on a device of this warp size."""
     pairs = [(FLOAT16, FLOAT16), (FLOAT16, FLOAT32), (BFLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
              (FLOAT32, FLOAT32), (FLOAT64, FLOAT64), (FLOAT64, FLOAT32)]
-    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": range(1, BWD_NPT + 1)}
+    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": range(BWD_NPT_MIN, BWD_NPT + 1)}
     names = set()
     for t, w in pairs:
         for ln in (True, False):
@@ -144,7 +152,7 @@ class Plan(NamedTuple):
 @functools.cache
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
-    g = row_geometry(N // vec, info.warp, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
+    g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = min(_cdiv(M, g.rpb), info.sms * 64)
     return Plan(spec, _compile.kernels(spec, "fwd"), (grid,), (g.tpr, g.rpb), 0)
@@ -155,7 +163,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     """Backward geometry. The grid depends only on (device, dtypes, M, N, vec), so the
     deterministic reduction order is the same on every call."""
     info = device_info(dev_id)
-    g = row_geometry(N // vec, info.warp, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
+    g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     acc_size = ACC_DTYPES[dtype].itemsize
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)

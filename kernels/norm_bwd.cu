@@ -4,8 +4,9 @@
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 //
-// norm_bwd reads x and dy once: it computes dx row by row and, in the same pass, accumulates the
-// dgamma/dbeta partial sums of its rows in registers. At the end each block either adds its
+// norm_bwd reads x and dy once (the next row's loads in flight while this row is reduced): it
+// computes dx row by row and, in the same pass, accumulates the dgamma/dbeta partial sums of its
+// rows in registers. At the end each block either adds its
 // partials into a float32 N-vector with atomicAdd (the last block to finish casts that vector
 // into dgamma/dbeta), or writes them to its own row of a [blocks, 2N] scratch that
 // norm_bwd_reduce sums in a fixed order (deterministic). Rows too long for registers take two
@@ -33,41 +34,50 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
 
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M;
-       base += (cl_i64)gridDim.x * blockDim.y) {
+  const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
+  cl_i64 base = (cl_i64)blockIdx.x * blockDim.y;
+  Pack<T, VEC> nx[NPT], ndy[NPT];  // the next row's x and dy, loaded a row ahead
+  {
+    const cl_i64 row = base + threadIdx.y;
+    const cl_i64 r = row < M ? row : 0;
+    load_packs<VEC, NPT>(x + r * ldx, c0, N, row < M, nx);
+    load_packs<VEC, NPT>(dy + r * lddy, c0, N, row < M, ndy);
+  }
+  for (; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const cl_i64 r = valid ? row : 0;
-    const T* xr = x + r * ldx;
-    const T* dyr = dy + r * lddy;
     const C mu = (LN && valid) ? (C)mean[r] : C(0);
     const C rs = valid ? (C)rstd[r] : C(0);
     C xh[NPT][VEC], gg[NPT][VEC], dyv[NPT][VEC];
+    unpack(nx, xh);
+    unpack(ndy, dyv);
+    {
+      const cl_i64 nrow = row + step;
+      const cl_i64 nr = nrow < M ? nrow : 0;
+      load_packs<VEC, NPT>(x + nr * ldx, c0, N, nrow < M, nx);
+      load_packs<VEC, NPT>(dy + nr * lddy, c0, N, nrow < M, ndy);
+    }
     C s[2] = {C(0), C(0)};
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
       const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
-      if (valid && col < N) {
-        load_vec<VEC>(xr + col, xh[k]);
-        load_vec<VEC>(dyr + col, dyv[k]);
-        if (gamma) {
-          load_vec<VEC>(gamma + col, gg[k]);
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) gg[k][j] = C(1);
-        }
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          xh[k][j] = (xh[k][j] - mu) * rs;
-          gg[k][j] *= dyv[k][j];
-          s[0] += gg[k][j];
-          s[1] += gg[k][j] * xh[k][j];
-          acc_g[k][j] += dyv[k][j] * xh[k][j];
-          acc_b[k][j] += dyv[k][j];
-        }
+      const bool inb = valid && col < N;
+      if (inb && gamma) {
+        load_vec<VEC>(gamma + col, gg[k]);
       } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) xh[k][j] = gg[k][j] = dyv[k][j] = C(0);
+        for (int j = 0; j < VEC; ++j) gg[k][j] = C(1);
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        // out of bounds: dy = 0 so nothing accumulates; xhat forced to 0 (mu may be inf/nan)
+        xh[k][j] = inb ? (xh[k][j] - mu) * rs : C(0);
+        gg[k][j] *= dyv[k][j];
+        s[0] += gg[k][j];
+        s[1] += gg[k][j] * xh[k][j];
+        acc_g[k][j] += dyv[k][j] * xh[k][j];
+        acc_b[k][j] += dyv[k][j];
       }
     }
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
