@@ -18,8 +18,10 @@ from cupyln.bench import cases, device_us, make_inputs
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("rmsnorm", 131072, 4096, "bfloat16"), ("layernorm", 131072, 64, "float16")]
-FWD = [dict(FWD_NPT_MIN=n, FWD_NPT=n, FWD_BLOCK=b) for n, b in itertools.product((2, 4), (128, 256))]
-BWD = [dict(BWD_NPT_MIN=m, BWD_NPT=2, BWD_BLOCK=b) for m, b in itertools.product((1, 2), (256, 512))]
+FWD = [dict(FWD_NPT_MIN=n, FWD_NPT=n, FWD_BLOCK=b)
+       for n, b in itertools.product((2, 4), (128, 256))]
+BWD = [dict(BWD_NPT_MIN=m, BWD_NPT=2, BWD_BLOCK=b)
+       for m, b in itertools.product((1, 2), (256, 512))]
 
 
 def attrs(k):
