@@ -21,7 +21,7 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
 FWD = [dict(FWD_NPT_MIN=n, FWD_NPT=n, FWD_BLOCK=b)
        for n, b in itertools.product((2, 4), (128, 256))]
 BWD = [dict(BWD_NPT_MIN=m, BWD_NPT=2, BWD_BLOCK=b)
-       for m, b in itertools.product((1, 2), (256, 512))]
+       for m, b in itertools.product((1,), (256, 512, 1024))]
 
 
 def attrs(k):

@@ -4,9 +4,8 @@
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 //
-// norm_bwd reads x and dy once (the next row's loads in flight while this row is reduced): it
-// computes dx row by row and, in the same pass, accumulates the dgamma/dbeta partial sums of its
-// rows in registers. At the end each block either adds its
+// norm_bwd reads x and dy once: it computes dx row by row and, in the same pass, accumulates the
+// dgamma/dbeta partial sums of its rows in registers. At the end each block either adds its
 // partials into a float32 N-vector with atomicAdd (the last block to finish casts that vector
 // into dgamma/dbeta), or writes them to its own row of a [blocks, 2N] scratch that
 // norm_bwd_reduce sums in a fixed order (deterministic). Rows too long for registers take two
@@ -35,28 +34,19 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
 
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-  cl_i64 base = (cl_i64)blockIdx.x * blockDim.y;
-  Pack<T, VEC> nx[NPT], ndy[NPT];  // the next row's x and dy, loaded a row ahead
-  {
-    const cl_i64 row = base + threadIdx.y;
-    const cl_i64 r = row < M ? row : 0;
-    load_packs<VEC, NPT>(x + r * ldx, c0, N, row < M, nx);
-    load_packs<VEC, NPT>(dy + r * lddy, c0, N, row < M, ndy);
-  }
-  for (; base < M; base += step) {
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const cl_i64 r = valid ? row : 0;
     const C mu = (LN && valid) ? (C)mean[r] : C(0);
     const C rs = valid ? (C)rstd[r] : C(0);
     C xh[NPT][VEC], gg[NPT][VEC], dyv[NPT][VEC];
-    unpack(nx, xh);
-    unpack(ndy, dyv);
     {
-      const cl_i64 nrow = row + step;
-      const cl_i64 nr = nrow < M ? nrow : 0;
-      load_packs<VEC, NPT>(x + nr * ldx, c0, N, nrow < M, nx);
-      load_packs<VEC, NPT>(dy + nr * lddy, c0, N, nrow < M, ndy);
+      Pack<T, VEC> px[NPT], pdy[NPT];
+      load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
+      load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      unpack(px, xh);
+      unpack(pdy, dyv);
     }
     C s[2] = {C(0), C(0)};
 #pragma unroll

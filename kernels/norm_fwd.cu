@@ -2,9 +2,8 @@
 //
 // Geometry (decided by cupyln/_launch.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
-// chunk. When the row is one chunk (the common case) x is read from memory once, and the next
-// row's loads are issued before this row is reduced. Longer rows are read twice (statistics,
-// then output). LayerNorm statistics: each thread's exact (count, mean, M2), merged across
+// chunk. When the row is one chunk (the common case) x is read from memory once; longer rows
+// are read twice (statistics, then output). LayerNorm statistics: each thread's exact (count, mean, M2), merged across
 // threads and chunks with Chan's formula in one reduction: never E[x^2] - E[x]^2.
 #include "common.cuh"
 
@@ -92,31 +91,7 @@ norm_fwd(const T* __restrict__ x, cl_i64 ldx, const W* __restrict__ gamma,
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   C v[NPT][VEC];
   // Every thread of the block runs the same number of iterations (the reductions need all).
-  cl_i64 base = (cl_i64)blockIdx.x * blockDim.y;
-  if (nchunks == 1) {
-    Pack<T, VEC> next[NPT];
-    {
-      const cl_i64 row = base + threadIdx.y;
-      load_packs<VEC, NPT>(x + (row < M ? row : 0) * ldx, 0, N, row < M, next);
-    }
-    for (; base < M; base += step) {
-      const cl_i64 row = base + threadIdx.y;
-      const bool valid = row < M;
-      unpack(next, v);
-      const cl_i64 nrow = row + step;  // prefetch: in flight while this row is reduced
-      load_packs<VEC, NPT>(x + (nrow < M ? nrow : 0) * ldx, 0, N, nrow < M, next);
-      C n = C(0), mean = C(0), m2 = C(0), mu, rstd;
-      chunk_stats<LN>(v, 0, N, n, mean, m2);
-      finish_stats<LN, WARP>(n, mean, m2, N, eps, mu, rstd);
-      if (valid && threadIdx.x == 0) {
-        if (LN) mean_out[row] = (float)mu;
-        rstd_out[row] = (float)rstd;
-      }
-      if (valid) write_chunk(v, 0, N, mu, rstd, gamma, beta, y + row * N);
-    }
-    return;
-  }
-  for (; base < M; base += step) {  // rows longer than one chunk
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
@@ -133,9 +108,11 @@ norm_fwd(const T* __restrict__ x, cl_i64 ldx, const W* __restrict__ gamma,
       rstd_out[row] = (float)rstd;
     }
     for (int c = 0; c < nchunks && valid; ++c) {
-      Pack<T, VEC> p[NPT];
-      load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
-      unpack(p, v);
+      if (nchunks > 1) {  // the row did not stay in registers: read this chunk again
+        Pack<T, VEC> p[NPT];
+        load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+        unpack(p, v);
+      }
       write_chunk(v, (cl_i64)c * chunk, N, mu, rstd, gamma, beta, y + row * N);
     }
   }
