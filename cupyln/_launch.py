@@ -78,6 +78,13 @@ def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
     return Geometry(tpr, npt, max(1, block // tpr), fits)
 
 
+def _spread(g, M, warp, sms):
+    """Fewer rows per block when M is small, so that at least 2 blocks per SM get work; a block
+    keeps at least one full warp (the shuffles assume whole warps)."""
+    floor = max(1, warp // g.tpr)
+    return g._replace(rpb=max(floor, min(g.rpb, _cdiv(M, 2 * sms))))
+
+
 def vec_options(dtype):
     """Vector widths for ``dtype``: 16 bytes down to one element."""
     v = 16 // dtype.itemsize
@@ -156,6 +163,7 @@ class Plan(NamedTuple):
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
+    g = _spread(g, M, info.warp, info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = min(_cdiv(M, g.rpb), info.sms * 64)
     return Plan(spec, _compile.kernels(spec, "fwd"), (grid,), (g.tpr, g.rpb), 0)
@@ -167,6 +175,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     deterministic reduction order is the same on every call."""
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
+    g = _spread(g, M, info.warp, info.sms)
     acc_size = ACC_DTYPES[dtype].itemsize
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
