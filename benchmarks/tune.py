@@ -11,17 +11,17 @@ import itertools
 import cupy as cp
 import numpy as np
 
-from cupyln import _launch
+from cupyln import _compile, _launch
 from cupyln.api import BFLOAT16
 from cupyln.bench import cases, device_us, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
-          ("rmsnorm", 131072, 4096, "bfloat16"), ("layernorm", 131072, 64, "float16")]
-FWD = [dict(FWD_NPT_MIN=n, FWD_NPT=n, FWD_BLOCK=b)
-       for n, b in itertools.product((2, 4), (128, 256))]
-BWD = [dict(BWD_NPT_MIN=m, BWD_NPT=2, BWD_BLOCK=b)
-       for m, b in itertools.product((1,), (256, 512, 1024))]
+          ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
+# OPTIONS: compiler options (CLN_FWD_PACKED keeps the forward's row packed in registers)
+FWD = [dict(FWD_NPT_MIN=n, FWD_BLOCK=128, OPTIONS=o) for n, o in itertools.product(
+    (2, 4), (("-std=c++17",), ("-std=c++17", "-DCLN_FWD_PACKED=1")))]
+BWD = [dict(BWD_BLOCK=b, deterministic=d) for b, d in itertools.product((512, 1024), (False, True))]
 
 
 def attrs(k):
@@ -36,11 +36,17 @@ def main():
         isz = dtype.itemsize
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
+                det = cfg.get("deterministic", False)
                 for k, v in cfg.items():
-                    setattr(_launch, k, v)
+                    if k == "OPTIONS":
+                        _compile.OPTIONS = v
+                        _compile._module_cache.cache_clear()
+                    elif k != "deterministic":
+                        setattr(_launch, k, v)
                 _launch.plan_fwd.cache_clear()
                 _launch.plan_bwd.cache_clear()
-                us = device_us(cases(op, x, dy, g, b, None, None)["cupyln", pass_], n_repeat=30)
+                fn = cases(op, x, dy, g, b, None, None, deterministic=det)["cupyln", pass_]
+                us = device_us(fn, n_repeat=30)
                 plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
                     x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
                 gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3

@@ -46,7 +46,10 @@ class Spec(NamedTuple):
         """The name expression of each kernel of one pass ('fwd' or 'bwd')."""
         a = self._args()
         if pass_ == "fwd":
-            return {"fwd": f"norm_fwd<{a}>"}
+            t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
+            ln = "true" if self.is_ln else "false"
+            return {"fwd": f"norm_fwd<{a}>",
+                    "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         return {
             "bwd": f"norm_bwd<{a}>",

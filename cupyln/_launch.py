@@ -28,7 +28,7 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # Backward also holds dy and two partial sums per element: one vector per thread while the row
 # fits in 512 threads, else two; 512-thread blocks, so fewer blocks flush dgamma/dbeta partials
 # (tune.py on the H200: 131072x4096 bf16 1187 us with one vector, 1368 us with two).
-BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512
+BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512  # blocks of 1024 need npt = 1
 TILE_TPR = 256  # long-row backward: threads of one column tile (BWD_NPT vectors each)
 ROWSUMS_TPR = 1024
 
@@ -166,7 +166,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = _spread(g, M, info.warp, info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = min(_cdiv(M, g.rpb), info.sms * 64)
-    return Plan(spec, _compile.kernels(spec, "fwd"), (grid,), (g.tpr, g.rpb), 0)
+    kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
+    return Plan(spec, {"fwd": kern}, (grid,), (g.tpr, g.rpb), 0)
 
 
 @functools.cache
@@ -175,6 +176,8 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     deterministic reduction order is the same on every call."""
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
+    if g.npt > 1:  # the kernel's launch bound: 512 threads when a thread holds two vectors
+        g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
     g = _spread(g, M, info.warp, info.sms)
     acc_size = ACC_DTYPES[dtype].itemsize
     if g.fits:
@@ -349,3 +352,19 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
             kerns["reduce"]((_cdiv(2 * N, 32),), (32, 8),
                             (partial, i64(P), i64(N), _ptr(dgamma), _ptr(dbeta)))
     return dx, dgamma, dbeta
+
+
+def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None):
+    """Compile (or load from CuPy's disk cache) the kernels that contiguous inputs of these
+    ``(M, N, dtype)`` shapes will use, forward and backward, on the current device."""
+    dev = cp.cuda.runtime.getDevice()
+    plans = []
+    for M, N, dtype in shapes:
+        dtype = np.dtype(dtype)
+        wdtype = dtype if param_dtype is None else np.dtype(param_dtype)
+        vec = _vec(dtype, N, (N,), [])
+        for op in ops:
+            is_ln = op == "layernorm"
+            plans.append(plan_fwd(dev, dtype, wdtype, is_ln, max(M, 1), N, vec))
+            plans.append(plan_bwd(dev, dtype, wdtype, is_ln, max(M, 1), N, vec))
+    return len(plans)

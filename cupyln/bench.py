@@ -122,18 +122,20 @@ def make_inputs(M, N, dtype, seed=0):
     return x, dy, g, b
 
 
-def cases(op, x, dy, g, b, torch, liger):
+def cases(op, x, dy, g, b, torch, liger, deterministic=False):
     """{(provider, pass): callable} on identical inputs."""
     N = x.shape[-1]
     out = {}
     if op == "layernorm":
         y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
         out["cupyln", "fwd"] = lambda: cupyln.layer_norm_fwd(x, g, b)
-        out["cupyln", "bwd"] = lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd)
+        out["cupyln", "bwd"] = lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd,
+                                                             deterministic=deterministic)
     else:
         y, rstd = cupyln.rms_norm_fwd(x, g)
         out["cupyln", "fwd"] = lambda: cupyln.rms_norm_fwd(x, g)
-        out["cupyln", "bwd"] = lambda: cupyln.rms_norm_bwd(dy, x, g, rstd)
+        out["cupyln", "bwd"] = lambda: cupyln.rms_norm_bwd(dy, x, g, rstd,
+                                                           deterministic=deterministic)
     if torch is not None:
         tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
         if op == "layernorm":

@@ -156,8 +156,7 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K]) {
 }
 
 // (count, mean, M2) statistics merged with Chan et al.'s pairwise formula: numerically stable,
-// never E[x^2] - E[x]^2. `a` takes `b` in; callers order the operands the same way on every
-// thread that must agree, so their results are bitwise equal.
+// never E[x^2] - E[x]^2. (n, mean, m2) takes (nb, mb, m2b) in.
 template <typename C>
 __device__ __forceinline__ void chan_merge(C& n, C& mean, C& m2, C nb, C mb, C m2b) {
   const C tot = n + nb;
@@ -166,47 +165,6 @@ __device__ __forceinline__ void chan_merge(C& n, C& mean, C& m2, C nb, C mb, C m
   mean += delta * f;
   m2 += m2b + delta * delta * n * f;
   n = tot;
-}
-
-// row_allreduce for (count, mean, M2) triples: one pass over the row instead of a sum and then
-// a centered sum of squares. At each butterfly step the lower lane's triple is the left operand
-// on both partners.
-template <int WARP, typename C>
-__device__ __forceinline__ void stats_butterfly(C& n, C& mean, C& m2, int width, int lane) {
-  for (int o = width >> 1; o > 0; o >>= 1) {
-    C pn = shfl_xor(n, o), pm = shfl_xor(mean, o), pm2 = shfl_xor(m2, o);
-    if (lane & o) {
-      C t;
-      t = n; n = pn; pn = t;
-      t = mean; mean = pm; pm = t;
-      t = m2; m2 = pm2; pm2 = t;
-    }
-    chan_merge(n, mean, m2, pn, pm, pm2);
-  }
-}
-
-template <int WARP, typename C>
-__device__ __forceinline__ void row_allreduce_stats(C& n, C& mean, C& m2) {
-  __shared__ C red[3][1024 / WARP];
-  const int tpr = blockDim.x;
-  const int tid = threadIdx.y * tpr + threadIdx.x;
-  const int lane = tid % WARP;
-  stats_butterfly<WARP>(n, mean, m2, tpr < WARP ? tpr : WARP, lane);
-  if (tpr > WARP) {  // uniform over the block
-    const int warp = tid / WARP, nw = tpr / WARP;
-    __syncthreads();  // the previous call's readers are done with red
-    if (lane == 0) {
-      red[0][warp] = n;
-      red[1][warp] = mean;
-      red[2][warp] = m2;
-    }
-    __syncthreads();
-    const bool has = lane < nw;
-    n = has ? red[0][threadIdx.y * nw + lane] : C(0);
-    mean = has ? red[1][threadIdx.y * nw + lane] : C(0);
-    m2 = has ? red[2][threadIdx.y * nw + lane] : C(0);
-    stats_butterfly<WARP>(n, mean, m2, WARP, lane);
-  }
 }
 
 // Sum a per-thread column array over the blockDim.y rows of a block, in a fixed order; the

@@ -13,8 +13,9 @@
 // (gridDim.y > 1) with those sums given.
 #include "common.cuh"
 
+// One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
          const W* __restrict__ gamma, const float* __restrict__ mean,
          const float* __restrict__ rstd, const typename Acc<T>::type* __restrict__ rowsums,

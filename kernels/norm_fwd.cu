@@ -3,117 +3,148 @@
 // Geometry (decided by cupyln/_launch.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
 // chunk. When the row is one chunk (the common case) x is read from memory once; longer rows
-// are read twice (statistics, then output). LayerNorm statistics: each thread's exact (count, mean, M2), merged across
-// threads and chunks with Chan's formula in one reduction: never E[x^2] - E[x]^2.
+// are read twice (statistics, then output). Statistics are exact per chunk (sum, then centered
+// sum of squares) and merged across chunks with Chan's formula: never E[x^2] - E[x]^2.
 #include "common.cuh"
 
-// This thread's part of the row statistics over one chunk held in v, merged into (n, mean, m2).
-template <bool LN, int VEC, int NPT, typename C>
-__device__ __forceinline__ void chunk_stats(const C (&v)[NPT][VEC], cl_i64 c0, cl_i64 N,
-                                            C& n, C& mean, C& m2) {
-  C cnt = C(0), s = C(0);
+// The row chunk lives either as float copies or as packed storage converted at each use
+// (CLN_FWD_PACKED: fewer registers, more conversions); elem() reads either.
+#ifndef CLN_FWD_PACKED
+#define CLN_FWD_PACKED 0
+#endif
+template <int VEC, int NPT, typename C>
+__device__ __forceinline__ C elem(const C (&v)[NPT][VEC], int k, int j) { return v[k][j]; }
+template <int VEC, int NPT, typename T>
+__device__ __forceinline__ auto elem(const Pack<T, VEC> (&p)[NPT], int k, int j)
+    -> decltype(to_acc(p[0].v[0])) {
+  return to_acc(p[k].v[j]);
+}
+
+// Merge one chunk held in v into the row statistics (n, mean, m2), identical on every thread
+// of the row: exact two-pass on the chunk (sum, then centered sum of squares), then Chan's
+// formula across chunks. RMSNorm keeps only the sum of squares (in m2).
+template <bool LN, int WARP, int VEC, int NPT, typename S, typename C>
+__device__ __forceinline__ void chunk_stats(const S& v, cl_i64 c0, cl_i64 N, cl_i64 chunk, C& n,
+                                            C& mean, C& m2) {
+  C s[1] = {C(0)};
 #pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const bool inb = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N;
+  for (int k = 0; k < NPT; ++k)
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) s += LN ? v[k][j] : v[k][j] * v[k][j];
-    cnt += inb ? C(VEC) : C(0);
-  }
-  if (!LN) {  // RMSNorm: only the sum of squares (in m2)
-    m2 += s;
+    for (int j = 0; j < VEC; ++j) {
+      const C e = (C)elem<VEC, NPT>(v, k, j);
+      s[0] += LN ? e : e * e;
+    }
+  row_allreduce<WARP>(s);
+  if (!LN) {
+    m2 += s[0];
     return;
   }
-  const C cm = cnt > C(0) ? s / cnt : C(0);
-  C q = C(0);
+  const C cnt = (C)(N - c0 < chunk ? N - c0 : chunk);
+  const C cm = s[0] / cnt;
+  C q[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const bool inb = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const C d = inb ? v[k][j] - cm : C(0);
-      q += d * d;
+      const C d = inb ? (C)elem<VEC, NPT>(v, k, j) - cm : C(0);
+      q[0] += d * d;
     }
   }
-  chan_merge(n, mean, m2, cnt, cm, q);
+  row_allreduce<WARP>(q);
+  chan_merge(n, mean, m2, cnt, cm, q[0]);
 }
 
-// Reduce the row's statistics over its threads; returns (mean, rstd). RMSNorm: mean = 0.
-template <bool LN, int WARP, typename C>
-__device__ __forceinline__ void finish_stats(C n, C mean, C m2, cl_i64 N, C eps, C& mu,
-                                             C& rstd) {
-  if (LN) {
-    row_allreduce_stats<WARP>(n, mean, m2);
-    mu = mean;
-  } else {
-    C q[1] = {m2};
-    row_allreduce<WARP>(q);
-    m2 = q[0];
-    mu = C(0);
-  }
-  rstd = cl_rsqrt(m2 / (C)N + eps);
+template <int VEC, int NPT, typename T>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
+                                           bool valid, Pack<T, VEC> (&p)[NPT]) {
+  load_packs<VEC, NPT>(row, c0, N, valid, p);
+}
+template <int VEC, int NPT, typename T, typename C>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
+                                           bool valid, C (&v)[NPT][VEC]) {
+  Pack<T, VEC> p[NPT];
+  load_packs<VEC, NPT>(row, c0, N, valid, p);
+  unpack(p, v);
 }
 
-template <int VEC, int NPT, typename T, typename W, typename C>
-__device__ __forceinline__ void write_chunk(const C (&v)[NPT][VEC], cl_i64 c0, cl_i64 N, C mu,
-                                            C rstd, const W* __restrict__ gamma,
+template <int VEC, int NPT, typename S, typename T, typename W, typename C>
+__device__ __forceinline__ void write_chunk(const S& v, int c0, int N, C mu, C rstd,
+                                            const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr) {
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
-    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    const int col = c0 + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
     if (col >= N) continue;
-    C g[VEC], b[VEC], o[VEC];
-    if (gamma) {
-      load_vec<VEC>(gamma + col, g);
-    } else {
+    // parameters stay packed until used: fewer live registers than float copies
+    Pack<W, VEC> g, b;
+    if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
+    if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
+    Pack<T, VEC> o;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) g[j] = C(1);
+    for (int j = 0; j < VEC; ++j) {
+      C val = ((C)elem<VEC, NPT>(v, k, j) - mu) * rstd;
+      if (gamma) val *= (C)to_acc(g.v[j]);
+      if (beta) val += (C)to_acc(b.v[j]);
+      o.v[j] = Store<T>::cvt(val);
     }
-    if (beta) {
-      load_vec<VEC>(beta + col, b);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) b[j] = C(0);
-    }
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) o[j] = (v[k][j] - mu) * rstd * g[j] + b[j];
-    store_vec<VEC>(yr + col, o);
+    *reinterpret_cast<Pack<T, VEC>*>(yr + col) = o;
   }
 }
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
-__global__ void __launch_bounds__(1024)
-norm_fwd(const T* __restrict__ x, cl_i64 ldx, const W* __restrict__ gamma,
-         const W* __restrict__ beta, T* __restrict__ y, float* __restrict__ mean_out,
-         float* __restrict__ rstd_out, cl_i64 M, cl_i64 N, typename Acc<T>::type eps) {
+// Rows of one chunk (CHUNKED = false: the row stays in registers, x is read once) or of many
+// (CHUNKED = true: statistics over all chunks, then each chunk read again for the output).
+template <bool CHUNKED, typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+__device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
+                                         const W* __restrict__ gamma, const W* __restrict__ beta,
+                                         T* __restrict__ y, float* __restrict__ mean_out,
+                                         float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
+                                         typename Acc<T>::type eps) {
   typedef typename Acc<T>::type C;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
-  const int nchunks = (int)((N + chunk - 1) / chunk);
+  const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
+#if CLN_FWD_PACKED
+  Pack<T, VEC> v[NPT];
+#else
   C v[NPT][VEC];
+#endif
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
-    C n = C(0), mean = C(0), m2 = C(0), mu, rstd;
+    C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c) {
-      Pack<T, VEC> p[NPT];
-      load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
-      unpack(p, v);
-      chunk_stats<LN>(v, (cl_i64)c * chunk, N, n, mean, m2);
+      load_chunk<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, v);
+      chunk_stats<LN, WARP, VEC, NPT>(v, (cl_i64)c * chunk, N, chunk, n, mean, m2);
     }
-    finish_stats<LN, WARP>(n, mean, m2, N, eps, mu, rstd);
+    const C mu = LN ? mean : C(0);
+    const C rstd = cl_rsqrt(m2 / (C)N + eps);
     if (valid && threadIdx.x == 0) {
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
     for (int c = 0; c < nchunks && valid; ++c) {
-      if (nchunks > 1) {  // the row did not stay in registers: read this chunk again
-        Pack<T, VEC> p[NPT];
-        load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
-        unpack(p, v);
-      }
-      write_chunk(v, (cl_i64)c * chunk, N, mu, rstd, gamma, beta, y + row * N);
+      if (CHUNKED) load_chunk<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, v);  // read again
+      write_chunk<VEC, NPT>(v, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N);
     }
   }
+}
+
+#define CLN_FWD_PARAMS                                                                        \
+  const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
+      T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
+      cl_i64 N, typename Acc<T>::type eps
+
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
+  fwd_rows<false, T, W, LN, VEC, NPT, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M, N,
+                                            eps);
+}
+
+// Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
+template <typename T, typename W, bool LN, int VEC, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
+  fwd_rows<true, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps);
 }

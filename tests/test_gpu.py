@@ -271,3 +271,55 @@ def test_over_2_pow_31_elements():
 def test_one_million_columns(op):
     check_case(op, *inputs(3, 1 << 20, F16, F32))
     check_case(op, *inputs(2, 1 << 20, F32, F32), deterministic=True)
+
+
+# --------------------------------------------------------------------------- graphs, warmup
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_graph_capture_and_replay(deterministic):
+    """Forward + backward captured on a stream, inputs refilled, graph replayed: the results
+    match the reference on the new inputs. A pool of its own keeps the captured buffers."""
+    M, N = 300, 1000
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    xh, dyh, gh, bh = inputs(M, N, F16, F32)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        x, dy, g, b = (cp.asarray(a) for a in (xh, dyh, gh, bh))
+
+        def step():
+            y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+            return (y, mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd,
+                                                           deterministic=deterministic)
+
+        step()  # compile, plan and fill the pool outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        outs = step()
+        graph = stream.end_capture()
+    xh2, dyh2, _, _ = inputs(M, N, F16, F32, seed=7)
+    x.set(xh2, stream=stream)
+    dy.set(dyh2, stream=stream)
+    graph.launch(stream)
+    stream.synchronize()
+    y, mean, rstd, dx, dg, db = outs
+    ry, rm, rr = ref.layer_norm_fwd(xh2, gh, bh)
+    rdx, rdg, rdb = ref.layer_norm_bwd(dyh2, xh2, gh, mean.get(), rstd.get())
+    for out, want, name in ((y, ry, "y"), (mean, rm, "mean"), (rstd, rr, "rstd"),
+                            (dg, rdg, "dgamma"), (db, rdb, "dbeta")):
+        assert_close(out, want, name)
+    assert_close(dx, rdx, "dx", dx_floor(dyh2, gh, rstd))
+
+
+def test_warmup_compiles_the_plans_calls_use():
+    from cupyln import _launch
+
+    n = cupyln.warmup([(64, 768, "float16"), (8, 4096, BF16)], param_dtype="float32")
+    assert n == 8
+    dev = cp.cuda.runtime.getDevice()
+    assert _launch.plan_fwd.cache_info().currsize >= 4
+    x = cp.asarray(host((64, 768), F16, 0))
+    before = _launch.plan_fwd.cache_info().misses
+    cupyln.layer_norm_fwd(x, cp.ones(768, cp.float32))
+    assert _launch.plan_fwd.cache_info().misses == before  # the call found its plan ready
+    assert dev == x.device.id
