@@ -9,7 +9,7 @@ import sys
 
 import cupy as cp
 
-from cupyln import _check
+from cupyln import _check, _launch
 
 CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
@@ -24,12 +24,13 @@ CASES = [  # (op, M, N, dtype, param dtype)
 
 bad = 0
 for op, M, N, dt, wdt in CASES:
-    for det in (False, True):
+    for det, atomic in ((False, False), (True, False), (False, True)):
+        _launch.ATOMIC_FLUSH = atomic  # both dgamma/dbeta flushes of the backward
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
         cp.cuda.Device().synchronize()
         worst = max(rows, key=lambda r: r[1] / r[2])
         ok = all(err <= tol for _, err, tol in rows)
         bad += not ok
-        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} worst {worst[0]}={worst[1]:.2e} "
+        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} worst {worst[0]}={worst[1]:.2e} "
               f"{'ok' if ok else 'FAIL'}")
 sys.exit(1 if bad else 0)

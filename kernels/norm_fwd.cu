@@ -7,32 +7,19 @@
 // sum of squares) and merged across chunks with Chan's formula: never E[x^2] - E[x]^2.
 #include "common.cuh"
 
-// The row chunk lives either as float copies or as packed storage converted at each use
-// (CLN_FWD_PACKED: fewer registers, more conversions); elem() reads either.
-#ifndef CLN_FWD_PACKED
-#define CLN_FWD_PACKED 0
-#endif
-template <int VEC, int NPT, typename C>
-__device__ __forceinline__ C elem(const C (&v)[NPT][VEC], int k, int j) { return v[k][j]; }
-template <int VEC, int NPT, typename T>
-__device__ __forceinline__ auto elem(const Pack<T, VEC> (&p)[NPT], int k, int j)
-    -> decltype(to_acc(p[0].v[0])) {
-  return to_acc(p[k].v[j]);
-}
 
 // Merge one chunk held in v into the row statistics (n, mean, m2), identical on every thread
 // of the row: exact two-pass on the chunk (sum, then centered sum of squares), then Chan's
 // formula across chunks. RMSNorm keeps only the sum of squares (in m2).
-template <bool LN, int WARP, int VEC, int NPT, typename S, typename C>
-__device__ __forceinline__ void chunk_stats(const S& v, cl_i64 c0, cl_i64 N, cl_i64 chunk, C& n,
-                                            C& mean, C& m2) {
+template <bool LN, int WARP, int VEC, int NPT, typename C>
+__device__ __forceinline__ void chunk_stats(const C (&v)[NPT][VEC], cl_i64 c0, cl_i64 N,
+                                            cl_i64 chunk, C& n, C& mean, C& m2) {
   C s[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const C e = (C)elem<VEC, NPT>(v, k, j);
-      s[0] += LN ? e : e * e;
+      s[0] += LN ? v[k][j] : v[k][j] * v[k][j];
     }
   row_allreduce<WARP>(s);
   if (!LN) {
@@ -47,7 +34,7 @@ __device__ __forceinline__ void chunk_stats(const S& v, cl_i64 c0, cl_i64 N, cl_
     const bool inb = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const C d = inb ? (C)elem<VEC, NPT>(v, k, j) - cm : C(0);
+      const C d = inb ? v[k][j] - cm : C(0);
       q[0] += d * d;
     }
   }
@@ -55,11 +42,6 @@ __device__ __forceinline__ void chunk_stats(const S& v, cl_i64 c0, cl_i64 N, cl_
   chan_merge(n, mean, m2, cnt, cm, q[0]);
 }
 
-template <int VEC, int NPT, typename T>
-__device__ __forceinline__ void load_chunk(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
-                                           bool valid, Pack<T, VEC> (&p)[NPT]) {
-  load_packs<VEC, NPT>(row, c0, N, valid, p);
-}
 template <int VEC, int NPT, typename T, typename C>
 __device__ __forceinline__ void load_chunk(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
                                            bool valid, C (&v)[NPT][VEC]) {
@@ -68,8 +50,8 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ row, cl_i64 c0,
   unpack(p, v);
 }
 
-template <int VEC, int NPT, typename S, typename T, typename W, typename C>
-__device__ __forceinline__ void write_chunk(const S& v, int c0, int N, C mu, C rstd,
+template <int VEC, int NPT, typename T, typename W, typename C>
+__device__ __forceinline__ void write_chunk(const C (&v)[NPT][VEC], int c0, int N, C mu, C rstd,
                                             const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr) {
 #pragma unroll
@@ -83,7 +65,7 @@ __device__ __forceinline__ void write_chunk(const S& v, int c0, int N, C mu, C r
     Pack<T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      C val = ((C)elem<VEC, NPT>(v, k, j) - mu) * rstd;
+      C val = (v[k][j] - mu) * rstd;
       if (gamma) val *= (C)to_acc(g.v[j]);
       if (beta) val += (C)to_acc(b.v[j]);
       o.v[j] = Store<T>::cvt(val);
@@ -104,11 +86,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-#if CLN_FWD_PACKED
-  Pack<T, VEC> v[NPT];
-#else
   C v[NPT][VEC];
-#endif
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;

@@ -187,6 +187,26 @@ def test_nan_and_inf_stay_in_their_rows():
     assert np.isnan(dg.get()).all()  # every column touches the NaN rows' xhat
 
 
+# --------------------------------------------------------------------------- atomic flush
+
+
+@pytest.fixture
+def atomic_flush(monkeypatch):
+    """The backward's alternative dgamma/dbeta flush (float32 atomicAdd, last block casts)."""
+    from cupyln import _launch
+
+    monkeypatch.setattr(_launch, "ATOMIC_FLUSH", True)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N", [(0, 64), (1, 1), (37, 33), (1025, 760), (199, 4096),
+                                 (9, 20000), (65537, 129)])
+def test_atomic_flush(atomic_flush, op, M, N):
+    dt, wdt = PAIRS[(M + N) % len(PAIRS)]
+    check_case(op, *inputs(M, N, dt, wdt))
+    check_case(op, *inputs(M, N, dt, wdt), need=(False, True, False))
+
+
 # --------------------------------------------------------------------------- determinism
 
 
