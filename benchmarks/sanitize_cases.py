@@ -31,6 +31,6 @@ for op, M, N, dt, wdt in CASES:
         worst = max(rows, key=lambda r: r[1] / r[2])
         ok = all(err <= tol for _, err, tol in rows)
         bad += not ok
-        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} worst {worst[0]}={worst[1]:.2e} "
-              f"{'ok' if ok else 'FAIL'}")
+        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} "
+              f"worst {worst[0]}={worst[1]:.2e} {'ok' if ok else 'FAIL'}")
 sys.exit(1 if bad else 0)
