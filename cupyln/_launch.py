@@ -244,16 +244,37 @@ def _rows(a, k, N):
 def _vec(dtype, N, lds, ptrs):
     """Widest vector that divides N and every row stride, and that every pointer is aligned to.
     ``ptrs`` are (address, itemsize) pairs."""
-    for v in vec_options(dtype):
-        if N % v == 0 and all(ld % v == 0 for ld in lds) and all(
-            p % (v * s) == 0 for p, s in ptrs
-        ):
+    isz = dtype.itemsize
+    v = 16 // isz
+    div = N
+    for ld in lds:
+        div |= ld
+    while v > 1:
+        if div % v == 0 and all(p % (v * s) == 0 for p, s in ptrs):
             return v
+        v //= 2
     return 1
 
 
 def _flat(p):
-    return None if p is None else cp.ascontiguousarray(p).reshape(-1)
+    """Parameters as contiguous 1-D arrays (no copy, and no CuPy call, when they already are)."""
+    if p is None or (p.ndim == 1 and p.flags.c_contiguous):
+        return p
+    return cp.ascontiguousarray(p).reshape(-1)
+
+
+def _views(mem, parts):
+    """Arrays laid one after another (256-byte aligned) in one allocation ``mem``: one pool
+    allocation instead of one per output. ``parts`` are (shape, dtype) pairs."""
+    out, off = [], 0
+    for shape, dtype in parts:
+        out.append(cp.ndarray(shape, dtype, mem + off))
+        off += _round_up(math.prod(shape) * dtype.itemsize, 256)
+    return out
+
+
+def _nbytes(parts):
+    return sum(_round_up(math.prod(shape) * dtype.itemsize, 256) for shape, dtype in parts)
 
 
 def _ptr(a):
@@ -282,14 +303,15 @@ class _on_device:
 
 
 def forward(x, gamma, beta, eps, k, is_ln):
-    dev = x.device.id
+    dev = x.data.device_id
     with _on_device(dev):
         lead = x.shape[: x.ndim - k]
         M = math.prod(lead)
         N = math.prod(x.shape[x.ndim - k :])
-        y = cp.empty(x.shape, x.dtype)
-        stats = cp.empty((2 if is_ln else 1,) + tuple(lead), FLOAT32)  # one allocation
-        mean, rstd = (stats[0], stats[1]) if is_ln else (None, stats[0])
+        parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+        outs = _views(cp.cuda.alloc(_nbytes(parts)), parts)  # y, (mean,) rstd
+        y, rstd = outs[0], outs[-1]
+        mean = outs[1] if is_ln else None
         if M:
             if gamma is not None and beta is not None and gamma.dtype != beta.dtype:
                 gamma, beta = gamma.astype(FLOAT32), beta.astype(FLOAT32)
@@ -308,21 +330,24 @@ def forward(x, gamma, beta, eps, k, is_ln):
 
 
 def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic):
-    dev = x.device.id
+    dev = x.data.device_id
     with _on_device(dev):
         norm_shape = x.shape[x.ndim - k :]
         M = math.prod(x.shape[: x.ndim - k])
         N = math.prod(norm_shape)
         wdtype = x.dtype if gamma is None else gamma.dtype
-        dx = cp.empty(x.shape, x.dtype) if need_dx else None
         if not M:
             dg, db = (cp.zeros(norm_shape, wdtype) if f else None
                       for f in (need_dgamma, need_dbeta))
-            return dx, dg, db
-        dgamma = cp.empty(norm_shape, wdtype) if need_dgamma else None
-        dbeta = cp.empty(norm_shape, wdtype) if need_dbeta else None
+            return cp.empty(x.shape, x.dtype) if need_dx else None, dg, db
         if not (need_dx or need_dgamma or need_dbeta):
             return None, None, None
+        # one allocation for every output
+        wanted = [(x.shape, x.dtype, need_dx), (norm_shape, wdtype, need_dgamma),
+                  (norm_shape, wdtype, need_dbeta)]
+        parts = [(sh, dt) for sh, dt, f in wanted if f]
+        it = iter(_views(cp.cuda.alloc(_nbytes(parts)), parts))
+        dx, dgamma, dbeta = (next(it) if f else None for _, _, f in wanted)
         gamma = _flat(gamma)
         mean = None if mean is None else cp.ascontiguousarray(mean)
         rstd = cp.ascontiguousarray(rstd)

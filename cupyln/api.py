@@ -64,7 +64,7 @@ def _check_devices(arrays):
     for name, a in arrays:
         if a is None:
             continue
-        d = a.device.id
+        d = a.data.device_id
         if dev is None:
             dev = d
         elif d != dev:
@@ -88,6 +88,8 @@ def _check_param_dtype(name, p, x_dtype):
 
 
 def _check_eps(eps):
+    if type(eps) is float and math.isfinite(eps) and eps >= 0:  # the common case, fast
+        return eps
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
     eps = float(eps)
