@@ -197,6 +197,47 @@ def host_rows(torch):
              "provider": prov, "us": host_us_per_call(fn), "GBs": None} for prov, p, fn in rows]
 
 
+# ----------------------------------------------------------------------------- compile latency
+
+_FIRST_CALLS = r"""
+import json, sys, time
+import cupy as cp
+import cupyln
+from cupyln.bench import make_inputs
+M, N, dt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+x, dy, g, b = make_inputs(M, N, dt)
+cp.cuda.Device().synchronize()  # context, allocator and CuPy's own kernels are up
+t0 = time.perf_counter()
+y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+cp.cuda.Device().synchronize()
+t1 = time.perf_counter()
+cupyln.layer_norm_bwd(dy, x, g, mean, rstd)
+cp.cuda.Device().synchronize()
+t2 = time.perf_counter()
+print(json.dumps({"fwd": (t1 - t0) * 1e6, "bwd": (t2 - t1) * 1e6}))
+"""
+
+
+def compile_rows(M=4096, N=1024, dtype="float16"):
+    """First-call times in fresh processes: with an empty CUPY_CACHE_DIR (NVRTC compiles the
+    forward module, then the backward one), then again with that cache filled (disk hits)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, CUPY_CACHE_DIR=cache)
+        for kind in ("compile_cold", "first_call_warm"):
+            r = subprocess.run([sys.executable, "-c", _FIRST_CALLS, str(M), str(N), dtype],
+                               env=env, capture_output=True, text=True, check=True)
+            times = json.loads(r.stdout.strip().splitlines()[-1])
+            rows += [{"op": "layernorm", "M": M, "N": N, "dtype": dtype, "pass": f"{p}_{kind}",
+                      "provider": "cupyln", "us": us, "GBs": None} for p, us in times.items()]
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -234,6 +275,7 @@ def run(shapes, progress=True):
         del x, dy, g, b
         cp.get_default_memory_pool().free_all_blocks()
     rows += host_rows(torch)
+    rows += compile_rows()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     return {
         "schema": SCHEMA_VERSION,
@@ -280,7 +322,7 @@ def table(result):
             f"{li if li is None else f'{li:9.1f}':>9} {ratio:>11}")
     for r in result["rows"]:
         if r["GBs"] is None:
-            lines.append(f"host time {r['provider']:<7} {r['pass']:<9} {r['us']:7.2f} us/call "
+            lines.append(f"{r['provider']:<7} {r['pass']:<24} {r['us']:10.1f} us "
                          f"({r['op']} {r['M']}x{r['N']} {r['dtype']})")
     return "\n".join(lines)
 
