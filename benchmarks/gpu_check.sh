@@ -10,6 +10,11 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 [ -f .cupy_cache/cache.tgz ] && mkdir -p "$CUPY_CACHE_DIR" && tar xzf .cupy_cache/cache.tgz -C "$CUPY_CACHE_DIR"
 stages=${*:-tests fuzz big sanitize bench}
 summary=()
+# Wheels carried in .whl/ (Liger-Kernel for the benchmark, nbclient/ipykernel for the notebook).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -26,7 +31,7 @@ run() {  # name, command...
 
 for s in $stages; do
   case $s in
-    tests) run tests python3 -m pytest -m "gpu and not slow" -q -p no:cacheprovider tests/test_gpu.py ;;
+    tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider tests/test_gpu.py tests/test_notebooks.py ;;
     fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
             run fuzz python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fuzz ;;
     big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu.py ;;
