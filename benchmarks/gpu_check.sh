@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
 # Logs go to $OUT; a short table is printed last. Usage (on the device machine):
-#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all)
+#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
+#   and multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -25,7 +26,7 @@ run() {  # name, command...
   "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   local last
-  last=$(grep -E "passed|failed|error|ERROR SUMMARY" "$OUT/$name.log" | tail -n 1)
+  last=$(grep -E "passed|failed|error|ERROR SUMMARY|GPU\(s\)" "$OUT/$name.log" | tail -n 1)
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$last")")
 }
 
@@ -35,6 +36,9 @@ for s in $stages; do
     fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
             run fuzz python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fuzz ;;
     big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu.py ;;
+    multi) export NCCL_NVLS_ENABLE=0
+      run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
+      run example python3 examples/data_parallel.py ;;
     sanitize)
       for tool in memcheck racecheck; do
         run "san_$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_cases.py
