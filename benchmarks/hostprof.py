@@ -3,25 +3,13 @@ cost of the CuPy primitives a call is built from."""
 
 import cProfile
 import pstats
-import time
 
 import cupy as cp
 import numpy as np
 
 import cupyln
+from cupyln.bench import host_us_per_call as per_call
 from cupyln.bench import make_inputs
-
-
-def per_call(fn, n=2000):
-    for _ in range(20):
-        fn()
-    cp.cuda.Device().synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    cp.cuda.Device().synchronize()
-    return (time.perf_counter() - t) / n * 1e6
-
 
 x, dy, g, b = make_inputs(32, 512, np.float16)
 y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
