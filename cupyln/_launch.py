@@ -1,8 +1,8 @@
 """Plan and launch the kernels on CuPy arrays.
 
 This module is the one place that decides launch geometry: :func:`row_geometry` maps a row onto
-threads, :func:`plan_fwd` / :func:`plan_bwd` add the grid, and :func:`all_specs` lists every
-specialization they can choose (the compile tests build each). Nothing here synchronizes with
+threads, :func:`plan_fwd` / :func:`plan_bwd` add the grid, and :func:`all_kernel_names` lists
+every kernel they can choose (the compile tests build each). Nothing here synchronizes with
 the host: every launch goes on the current stream, so calls can be captured in a CUDA graph.
 """
 
