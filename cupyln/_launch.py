@@ -87,8 +87,8 @@ def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
 def _spread(g, M, warp, sms):
     """Fewer rows per block when M is small, so that at least 2 blocks per SM get work; a block
     keeps at least one full warp (the shuffles assume whole warps)."""
-    floor = max(1, warp // g.tpr)
-    return g._replace(rpb=max(floor, min(g.rpb, _cdiv(M, 2 * sms))))
+    unit = max(1, warp // g.tpr)  # rows per whole warp
+    return g._replace(rpb=max(unit, min(g.rpb, _round_up(_cdiv(M, 2 * sms), unit))))
 
 
 def vec_options(dtype):

@@ -1,0 +1,79 @@
+"""The planner's geometry and layout decisions, checked on the CPU (no GPU needed)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+_launch = pytest.importorskip("cupyln._launch", exc_type=ImportError)  # needs CuPy installed
+
+WARPS = st.sampled_from([32, 64])
+
+
+@given(st.integers(1, 1 << 21), WARPS, st.integers(0, 1 << 22), st.integers(1, 200))
+def test_row_geometry_covers_the_row_with_whole_warps(nvec, warp, M, sms):
+    for npt_min, npt_max, tpr_max, block in (
+        (_launch.FWD_NPT_MIN, _launch.FWD_NPT, _launch.FWD_TPR_MAX, _launch.FWD_BLOCK),
+        (_launch.BWD_NPT_MIN, _launch.BWD_NPT, _launch.BWD_TPR_MAX, _launch.BWD_BLOCK),
+    ):
+        g = _launch.row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block)
+        if M:
+            g = _launch._spread(g, M, warp, sms)
+        assert g.npt & (g.npt - 1) == 0 and 1 <= g.npt <= npt_max
+        if g.tpr < warp:  # a power-of-two group of lanes, whole warps per block
+            assert g.tpr & (g.tpr - 1) == 0 and (g.tpr * g.rpb) % warp == 0
+        else:  # whole warps per row
+            assert g.tpr % warp == 0
+        assert g.tpr <= tpr_max and g.tpr * g.rpb <= 1024
+        assert g.fits == (g.tpr * g.npt >= nvec)
+        if g.fits:  # no smaller row group of the same kind would hold the row
+            smaller = g.tpr - warp if g.tpr > warp else g.tpr // 2
+            assert smaller * g.npt < nvec
+
+
+def _addresses(a):
+    idx = np.indices(a.shape).reshape(a.ndim, -1)
+    return a.__array_interface__["data"][0] + (np.array(a.strides)[:, None] * idx).sum(0)
+
+
+VIEWS = {
+    "contiguous": lambda b: b,
+    "row slice": lambda b: b[:, 1:-2],
+    "every other row": lambda b: b[::2],
+    "reversed rows": lambda b: b[::-1],
+    "reversed columns": lambda b: b[:, ::-1],
+    "transposed": lambda b: b.T,
+    "3-d split rows": lambda b: b.reshape(2, -1, b.shape[1])[:, ::2],
+    "column step": lambda b: b[:, ::2],
+}
+
+
+@given(st.sampled_from(sorted(VIEWS)), st.integers(2, 9), st.integers(4, 12))
+def test_row_stride_describes_the_view_exactly(view, m, n):
+    a = VIEWS[view](np.zeros((2 * m, n), np.float16))
+    ld = _launch._row_stride(a, 1)
+    if ld is None:
+        return  # the caller copies: nothing to check
+    rows, cols = np.prod(a.shape[:-1], dtype=int), a.shape[-1]
+    r, c = np.divmod(np.arange(rows * cols), cols)
+    want = a.__array_interface__["data"][0] + (r * ld + c) * a.itemsize
+    assert np.array_equal(_addresses(a), want)
+
+
+def test_row_stride_accepts_the_views_the_contract_names():
+    b = np.zeros((8, 16), np.float32)
+    assert _launch._row_stride(b[:, 2:10], 1) == 16  # rows of a wider buffer: no copy
+    assert _launch._row_stride(b[::-1], 1) == -16  # reversed rows: no copy
+    assert _launch._row_stride(b[:, ::-1], 1) is None  # reversed normalized axis: copy
+    assert _launch._row_stride(b.T, 1) is None
+
+
+@given(st.sampled_from([np.float16, np.float32, np.float64]), st.integers(1, 4096),
+       st.integers(0, 64))
+def test_vector_width_divides_sizes_and_alignments(dtype, N, offset):
+    dtype = np.dtype(dtype)
+    ptr = 4096 + offset * dtype.itemsize
+    v = _launch._vec(dtype, N, (N,), [(ptr, dtype.itemsize)])
+    assert v * dtype.itemsize <= 16 and N % v == 0 and ptr % (v * dtype.itemsize) == 0
+    if N % (16 // dtype.itemsize) == 0 and ptr % 16 == 0:
+        assert v == 16 // dtype.itemsize
