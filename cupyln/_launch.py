@@ -277,6 +277,14 @@ def _nbytes(parts):
     return sum(_round_up(math.prod(shape) * dtype.itemsize, 256) for shape, dtype in parts)
 
 
+def _outputs(parts, given):
+    """Arrays for the (shape, dtype) ``parts``: the caller's where ``given`` has one (``out=``,
+    validated by the API), the rest views of one pool allocation."""
+    missing = [p for p, o in zip(parts, given, strict=True) if o is None]
+    new = iter(_views(cp.cuda.alloc(_nbytes(missing)), missing) if missing else ())
+    return [next(new) if o is None else o for o in given]
+
+
 def _ptr(a):
     return _NULL if a is None else a
 
@@ -302,14 +310,14 @@ class _on_device:
 # ----------------------------------------------------------------------------- passes
 
 
-def forward(x, gamma, beta, eps, k, is_ln):
+def forward(x, gamma, beta, eps, k, is_ln, out=None):
     dev = x.data.device_id
     with _on_device(dev):
         lead = x.shape[: x.ndim - k]
         M = math.prod(lead)
         N = math.prod(x.shape[x.ndim - k :])
         parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
-        outs = _views(cp.cuda.alloc(_nbytes(parts)), parts)  # y, (mean,) rstd
+        outs = _outputs(parts, out or (None,) * len(parts))  # y, (mean,) rstd
         y, rstd = outs[0], outs[-1]
         mean = outs[1] if is_ln else None
         if M:
@@ -329,25 +337,27 @@ def forward(x, gamma, beta, eps, k, is_ln):
     return (y, mean, rstd) if is_ln else (y, rstd)
 
 
-def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic):
+def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic,
+             out=None):
     dev = x.data.device_id
     with _on_device(dev):
         norm_shape = x.shape[x.ndim - k :]
         M = math.prod(x.shape[: x.ndim - k])
         N = math.prod(norm_shape)
         wdtype = x.dtype if gamma is None else gamma.dtype
-        if not M:
-            dg, db = (cp.zeros(norm_shape, wdtype) if f else None
-                      for f in (need_dgamma, need_dbeta))
-            return cp.empty(x.shape, x.dtype) if need_dx else None, dg, db
         if not (need_dx or need_dgamma or need_dbeta):
             return None, None, None
-        # one allocation for every output
         wanted = [(x.shape, x.dtype, need_dx), (norm_shape, wdtype, need_dgamma),
                   (norm_shape, wdtype, need_dbeta)]
-        parts = [(sh, dt) for sh, dt, f in wanted if f]
-        it = iter(_views(cp.cuda.alloc(_nbytes(parts)), parts))
+        given = out or (None, None, None)
+        it = iter(_outputs([(sh, dt) for sh, dt, f in wanted if f],
+                           [o for (_, _, f), o in zip(wanted, given, strict=True) if f]))
         dx, dgamma, dbeta = (next(it) if f else None for _, _, f in wanted)
+        if not M:  # no rows: no kernel, zero parameter gradients
+            for a in (dgamma, dbeta):
+                if a is not None:
+                    a.fill(0)
+            return dx, dgamma, dbeta
         gamma = _flat(gamma)
         mean = None if mean is None else cp.ascontiguousarray(mean)
         rstd = cp.ascontiguousarray(rstd)

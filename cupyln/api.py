@@ -193,6 +193,62 @@ def _check_bwd(dy, x, gamma, stats):
     return kind, k
 
 
+def _span(a):
+    """[lo, hi) byte range that array ``a`` touches (any strides)."""
+    ptr = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
+    lo = hi = ptr
+    for n, st in zip(a.shape, a.strides, strict=True):
+        if n == 0:
+            return ptr, ptr
+        lo += min(0, (n - 1) * st)
+        hi += max(0, (n - 1) * st)
+    return lo, hi + a.itemsize
+
+
+def _check_out(out, want, kind, dev, inputs):
+    """Validate ``out=``: None, or a tuple with one entry per output, each None (allocate it) or
+    an array of the output's exact shape and dtype, C-contiguous, of the inputs' kind and device,
+    overlapping no input. ``want`` holds (name, shape, dtype, computed) per output. Returns the
+    tuple of entries (all None when out is None)."""
+    if out is None:
+        return (None,) * len(want)
+    names = ", ".join(w[0] for w in want)
+    if not isinstance(out, (tuple, list)) or len(out) != len(want):
+        raise TypeError(f"out must be a tuple of {len(want)} arrays or None ({names})")
+    spans = None
+    for o, (name, shape, dtype, computed) in zip(out, want, strict=True):
+        if o is None:
+            continue
+        label = f"out {name}"
+        if not computed:
+            raise ValueError(f"{label} was given, but {name} is not computed by this call")
+        if _kind([(label, o)]) != kind:
+            raise TypeError(f"{label} must be a {kind} array like the inputs")
+        if o.dtype != dtype:
+            raise TypeError(f"{label} has dtype {o.dtype}; expected {np.dtype(dtype)}")
+        if tuple(o.shape) != tuple(shape):
+            raise ValueError(f"{label} has shape {tuple(o.shape)}; expected {tuple(shape)}")
+        if not o.flags.c_contiguous:
+            raise ValueError(f"{label} must be C-contiguous")
+        if kind == "cupy" and o.data.device_id != dev:
+            raise ValueError(f"{label} is on device {o.data.device_id}; the inputs are on {dev}")
+        if spans is None:
+            spans = [(n, _span(a)) for n, a in inputs if a is not None and a.size]
+        lo, hi = _span(o)
+        for n, (ilo, ihi) in spans:
+            if o.size and lo < ihi and ilo < hi:
+                raise ValueError(f"{label} overlaps the input {n}")
+    return tuple(out)
+
+
+def _into(o, value):
+    """Write ``value`` into the out entry ``o`` (NumPy path) or return it as the output."""
+    if o is None:
+        return value
+    np.copyto(o, value, casting="unsafe")
+    return o
+
+
 def _param_dtype(gamma, beta, x_dtype):
     """dtype of dgamma/dbeta (and the kernels' parameter type)."""
     for p in (gamma, beta):
@@ -204,85 +260,106 @@ def _param_dtype(gamma, beta, x_dtype):
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd(x, gamma, beta, eps, normalized_shape, is_ln):
+def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
     if x is None:
         raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
-    kind = _kind([("x", x), ("gamma", gamma), ("beta", beta)])
+    inputs = [("x", x), ("gamma", gamma), ("beta", beta)]
+    kind = _kind(inputs)
     _check_dtype("x", x)
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is not None:
             _check_param_dtype(name, p, x.dtype)
     eps = _check_eps(eps)
     k = _norm_ndim(x, gamma, beta, normalized_shape)
+    dev = _check_devices(inputs) if kind == "cupy" else None
+    if out is not None:
+        lead = tuple(x.shape[: x.ndim - k])
+        want = [("y", x.shape, x.dtype, True)] + [("mean", lead, FLOAT32, True)] * is_ln
+        want.append(("rstd", lead, FLOAT32, True))
+        out = _check_out(out, want, kind, dev, inputs)
     if kind == "cupy":
-        _check_devices([("x", x), ("gamma", gamma), ("beta", beta)])
         from . import _launch
 
-        return _launch.forward(x, gamma, beta, eps, k, is_ln)
+        return _launch.forward(x, gamma, beta, eps, k, is_ln, out)
+    out = out or (None,) * (3 if is_ln else 2)
     if is_ln:
         y, mean, rstd = _ref.layer_norm_fwd(x, gamma, beta, eps, k)
-    else:
-        y, rstd = _ref.rms_norm_fwd(x, gamma, eps, k)
-        mean = None
-    y = y.astype(x.dtype)
-    rstd = rstd.astype(FLOAT32)
-    return (y, mean.astype(FLOAT32), rstd) if is_ln else (y, rstd)
+        return (_into(out[0], y.astype(x.dtype)), _into(out[1], mean.astype(FLOAT32)),
+                _into(out[2], rstd.astype(FLOAT32)))
+    y, rstd = _ref.rms_norm_fwd(x, gamma, eps, k)
+    return _into(out[0], y.astype(x.dtype)), _into(out[1], rstd.astype(FLOAT32))
 
 
-def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, *, normalized_shape=None):
+def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, *, normalized_shape=None, out=None):
     """LayerNorm forward. Returns ``(y, mean, rstd)``; mean/rstd are float32 of x's leading shape.
 
     The trailing ``gamma.ndim`` axes of ``x`` are normalized (the last axis when gamma and beta
-    are None, or the axes ``normalized_shape`` names).
+    are None, or the axes ``normalized_shape`` names). ``out=(y, mean, rstd)`` writes into
+    preallocated C-contiguous arrays (an entry may be None); they must not overlap the inputs.
     """
-    return _fwd(x, gamma, beta, eps, normalized_shape, True)
+    return _fwd(x, gamma, beta, eps, normalized_shape, True, out)
 
 
-def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None):
-    """RMSNorm forward. Returns ``(y, rstd)``; rstd is float32 of x's leading shape."""
-    return _fwd(x, gamma, None, eps, normalized_shape, False)
+def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None, out=None):
+    """RMSNorm forward. Returns ``(y, rstd)``; rstd is float32 of x's leading shape.
+    ``out=(y, rstd)`` as in :func:`layer_norm_fwd`."""
+    return _fwd(x, gamma, None, eps, normalized_shape, False, out)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic):
+def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out):
     stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
     kind, k = _check_bwd(dy, x, gamma, stats)
     need_dx = _check_flag("need_dx", need_dx)
     need_dgamma = _check_flag("need_dgamma", need_dgamma) and gamma is not None
     need_dbeta = _check_flag("need_dbeta", need_dbeta)
     deterministic = _check_flag("deterministic", deterministic)
+    if out is not None:
+        norm = tuple(x.shape[x.ndim - k :])
+        pdt = _param_dtype(gamma, None, x.dtype)
+        want = [("dx", x.shape, x.dtype, need_dx), ("dgamma", norm, pdt, need_dgamma)]
+        want += [("dbeta", norm, pdt, need_dbeta)] if mean is not None else []
+        dev = x.data.device_id if kind == "cupy" else None
+        out = _check_out(out, want, kind, dev, [("dy", dy), ("x", x), ("gamma", gamma)] + stats)
+        out = out + (None,) * (3 - len(out))  # RMSNorm: no dbeta
     if kind == "cupy":
         from . import _launch
 
         return _launch.backward(
-            dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic
+            dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out
         )
+    out = out or (None, None, None)
     dx, dgamma, dbeta = _ref._norm_bwd(dy, x, gamma, mean, rstd)
     pdt = _param_dtype(gamma, None, x.dtype)
     return (
-        dx.astype(x.dtype) if need_dx else None,
-        dgamma.astype(pdt) if need_dgamma else None,
-        dbeta.astype(pdt) if need_dbeta else None,
+        _into(out[0], dx.astype(x.dtype)) if need_dx else None,
+        _into(out[1], dgamma.astype(pdt)) if need_dgamma else None,
+        _into(out[2], dbeta.astype(pdt)) if need_dbeta else None,
     )
 
 
 def layer_norm_bwd(
     dy, x, gamma, mean, rstd, *, need_dx=True, need_dgamma=True, need_dbeta=True,
-    deterministic=False,
+    deterministic=False, out=None,
 ):
     """LayerNorm backward. Returns ``(dx, dgamma, dbeta)``; an output not asked for is None.
 
     dgamma is None when gamma is None; dgamma/dbeta have gamma's dtype (x's when gamma is None).
     ``deterministic=True`` makes dgamma/dbeta bitwise repeatable on the same device and shapes.
+    ``out=(dx, dgamma, dbeta)`` writes into preallocated C-contiguous arrays; an entry may be
+    None, and must be None for an output that is not computed.
     """
     if mean is None:
         raise TypeError("mean must be a numpy.ndarray or cupy.ndarray, got None")
-    return _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic)
+    return _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out)
 
 
-def rms_norm_bwd(dy, x, gamma, rstd, *, need_dx=True, need_dgamma=True, deterministic=False):
-    """RMSNorm backward. Returns ``(dx, dgamma)``; an output not asked for is None."""
-    dx, dgamma, _ = _bwd(dy, x, gamma, None, rstd, need_dx, need_dgamma, False, deterministic)
+def rms_norm_bwd(dy, x, gamma, rstd, *, need_dx=True, need_dgamma=True, deterministic=False,
+                 out=None):
+    """RMSNorm backward. Returns ``(dx, dgamma)``; an output not asked for is None.
+    ``out=(dx, dgamma)`` as in :func:`layer_norm_bwd`."""
+    dx, dgamma, _ = _bwd(dy, x, gamma, None, rstd, need_dx, need_dgamma, False, deterministic,
+                         out)
     return dx, dgamma

@@ -184,8 +184,13 @@ def host_us_per_call(fn, calls=2000):
 def host_rows(torch):
     x, dy, g, b = make_inputs(32, 512, np.float16)
     y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+    fo = (cp.empty_like(x), cp.empty(32, cp.float32), cp.empty(32, cp.float32))
+    bo = (cp.empty_like(x), cp.empty_like(g), cp.empty_like(b))
     rows = [("cupyln", "fwd_host", lambda: cupyln.layer_norm_fwd(x, g, b)),
-            ("cupyln", "bwd_host", lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd))]
+            ("cupyln", "bwd_host", lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd)),
+            ("cupyln", "fwd_host_out", lambda: cupyln.layer_norm_fwd(x, g, b, out=fo)),
+            ("cupyln", "bwd_host_out",
+             lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd, out=bo))]
     if torch is not None:
         tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
         _, tm, tr = torch.ops.aten.native_layer_norm(tx, [512], tg, tb, 1e-5)

@@ -140,3 +140,59 @@ def test_float32_parameters_accepted_for_16bit_data():
     x = _rand((2, 8), BF16)
     y, _, _ = cupyln.layer_norm_fwd(x, G, G)
     assert y.dtype == BF16
+
+
+# --------------------------------------------------------------------------- out=
+
+
+def test_out_receives_the_results_and_is_returned():
+    x, dy = _rand((6, 8)), _rand((6, 8), seed=5)
+    want = cupyln.layer_norm_fwd(x, G, G)
+    out = (np.empty((6, 8), np.float32), None, np.empty(6, np.float32))
+    got = cupyln.layer_norm_fwd(x, G, G, out=out)
+    assert got[0] is out[0] and got[2] is out[2] and got[1].shape == (6,)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    mean, rstd = want[1], want[2]
+    bw = cupyln.layer_norm_bwd(dy, x, G, mean, rstd)
+    o = (np.empty((6, 8), np.float32), np.empty(8, np.float32), np.empty(8, np.float32))
+    gb = cupyln.layer_norm_bwd(dy, x, G, mean, rstd, out=o)
+    assert all(a is b for a, b in zip(gb, o, strict=True))
+    for a, b in zip(gb, bw, strict=True):
+        np.testing.assert_array_equal(a, b)
+    y2, r2 = cupyln.rms_norm_fwd(x, G, out=(np.empty((6, 8), np.float32), None))
+    d2, g2 = cupyln.rms_norm_bwd(dy, x, G, r2, out=(None, np.empty(8, np.float32)))
+    np.testing.assert_array_equal(g2, cupyln.rms_norm_bwd(dy, x, G, r2)[1])
+
+
+def _outs():
+    return (np.full((4, 8), 7.0, np.float32), np.full(4, 7.0, np.float32),
+            np.full(4, 7.0, np.float32))
+
+
+BAD_OUT = [
+    (TypeError, "out must be a tuple of 3", lambda o: cupyln.layer_norm_fwd(X, G, out=o[:2])),
+    (TypeError, "out must be a tuple of 2", lambda o: cupyln.rms_norm_fwd(X, G, out=o[0])),
+    (TypeError, "out y has dtype float16", lambda o: cupyln.layer_norm_fwd(
+        X, G, out=(o[0].astype("f2"), None, None))),
+    (ValueError, r"out mean has shape \(3,\)", lambda o: cupyln.layer_norm_fwd(
+        X, G, out=(None, o[1][:3], None))),
+    (ValueError, "out y must be C-contiguous", lambda o: cupyln.layer_norm_fwd(
+        X, G, out=(np.zeros((8, 4), np.float32).T, None, None))),
+    (TypeError, "out rstd must be", lambda o: cupyln.layer_norm_fwd(X, G, out=(None, None, [0]))),
+    (ValueError, "out y overlaps the input x", lambda o: cupyln.layer_norm_fwd(
+        X, G, out=(X, None, None))),
+    (ValueError, "out dgamma was given, but dgamma is not computed", lambda o: cupyln.layer_norm_bwd(
+        X, X, None, MEAN, RSTD, out=(None, np.zeros(8, np.float32), None))),
+    (ValueError, "out dx was given, but dx is not computed", lambda o: cupyln.rms_norm_bwd(
+        X, X, G, RSTD, need_dx=False, out=(o[0], None))),
+    (ValueError, "eps must be finite", lambda o: cupyln.layer_norm_fwd(X, G, eps=-1.0, out=o)),
+]
+
+
+@pytest.mark.parametrize("exc,msg,call", BAD_OUT)
+def test_bad_out_raises_and_writes_nothing(exc, msg, call):
+    o = _outs()
+    with pytest.raises(exc, match=msg):
+        call(o)
+    assert all((a == 7.0).all() for a in o)

@@ -86,6 +86,7 @@ def inputs(M, N, dtype, wdtype, has_g=True, has_b=True, seed=0):
 SIZES = [(m, n) for n in BOUNDARY_N for m in (0, 1, 37, 199)]
 SIZES += [(1025, n) for n in (1, 33, 760, 2001)] + [(65537, n) for n in (1, 32, 129, 760)]
 SIZES += [(7, n) for n in (4096, 8192, 16384, 32768, 40000, 65536)]
+SIZES += [(20000, 1), (9001, 3), (30001, 16)]  # short rows spread over blocks of whole warps
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -343,3 +344,37 @@ def test_warmup_compiles_the_plans_calls_use():
     cupyln.layer_norm_fwd(x, cp.ones(768, cp.float32))
     assert _launch.plan_fwd.cache_info().misses == before  # the call found its plan ready
     assert dev == x.device.id
+
+
+# --------------------------------------------------------------------------- out=
+
+
+@pytest.mark.parametrize("M,N", [(0, 64), (37, 1000), (5, 20000)])
+def test_out_matches_the_allocating_path(M, N):
+    x_h, dy_h, g_h, b_h = inputs(M, N, BF16, F32)
+    x, dy, g, b = (cp.asarray(a) for a in (x_h, dy_h, g_h, b_h))
+    y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+    outs = (cp.full(x.shape, 7, x.dtype), None, cp.full(M, 7, cp.float32))
+    got = cupyln.layer_norm_fwd(x, g, b, out=outs)
+    assert got[0] is outs[0] and got[2] is outs[2]
+    for a, w in zip(got, (y, mean, rstd), strict=True):
+        assert cp.array_equal(a, w)
+    dx, dg, db = cupyln.layer_norm_bwd(dy, x, g, mean, rstd, deterministic=True)
+    o = (None, cp.full(N, 7, cp.float32), cp.full(N, 7, cp.float32))
+    gd = cupyln.layer_norm_bwd(dy, x, g, mean, rstd, deterministic=True, out=o)
+    assert gd[1] is o[1] and gd[2] is o[2]
+    for a, w in zip(gd, (dx, dg, db), strict=True):
+        assert cp.array_equal(a, w)
+    yr, rr = cupyln.rms_norm_fwd(x, g)
+    got = cupyln.rms_norm_fwd(x, g, out=(cp.empty_like(x), cp.empty(M, cp.float32)))
+    assert cp.array_equal(got[0], yr) and cp.array_equal(got[1], rr)
+    got = cupyln.rms_norm_bwd(dy, x, g, rr, deterministic=True,
+                              out=(cp.empty_like(x), cp.empty(N, cp.float32)))
+    want = cupyln.rms_norm_bwd(dy, x, g, rr, deterministic=True)
+    assert cp.array_equal(got[0], want[0]) and cp.array_equal(got[1], want[1])
+
+
+def test_out_of_the_wrong_kind_raises():
+    x = cp.ones((4, 8), cp.float32)
+    with pytest.raises(TypeError, match="out y must be a cupy array"):
+        cupyln.layer_norm_fwd(x, out=(np.empty((4, 8), np.float32), None, None))
