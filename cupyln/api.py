@@ -196,6 +196,8 @@ def _check_bwd(dy, x, gamma, stats):
 def _span(a):
     """[lo, hi) byte range that array ``a`` touches (any strides)."""
     ptr = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
+    if a.flags.c_contiguous:  # the common case, without a loop over the axes
+        return ptr, ptr + a.nbytes
     lo = hi = ptr
     for n, st in zip(a.shape, a.strides, strict=True):
         if n == 0:
