@@ -19,7 +19,6 @@ try:  # CuPy is optional: without it only NumPy arrays are accepted.
 
     _CUPY_ARRAY = _cp.ndarray
 except Exception:  # pragma: no cover - exercised on machines without CuPy
-    _cp = None
     _CUPY_ARRAY = ()
 
 FLOAT16 = np.dtype(np.float16)
@@ -251,12 +250,9 @@ def _into(o, value):
     return o
 
 
-def _param_dtype(gamma, beta, x_dtype):
-    """dtype of dgamma/dbeta (and the kernels' parameter type)."""
-    for p in (gamma, beta):
-        if p is not None:
-            return p.dtype
-    return x_dtype
+def _param_dtype(gamma, x_dtype):
+    """dtype of dgamma/dbeta: gamma's, or x's when there is no gamma."""
+    return x_dtype if gamma is None else gamma.dtype
 
 
 # ----------------------------------------------------------------------------- forward
@@ -320,7 +316,7 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
     deterministic = _check_flag("deterministic", deterministic)
     if out is not None:
         norm = tuple(x.shape[x.ndim - k :])
-        pdt = _param_dtype(gamma, None, x.dtype)
+        pdt = _param_dtype(gamma, x.dtype)
         want = [("dx", x.shape, x.dtype, need_dx), ("dgamma", norm, pdt, need_dgamma)]
         want += [("dbeta", norm, pdt, need_dbeta)] if mean is not None else []
         dev = x.data.device_id if kind == "cupy" else None
@@ -334,7 +330,7 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
         )
     out = out or (None, None, None)
     dx, dgamma, dbeta = _ref._norm_bwd(dy, x, gamma, mean, rstd)
-    pdt = _param_dtype(gamma, None, x.dtype)
+    pdt = _param_dtype(gamma, x.dtype)
     return (
         _into(out[0], dx.astype(x.dtype)) if need_dx else None,
         _into(out[1], dgamma.astype(pdt)) if need_dgamma else None,
