@@ -28,6 +28,7 @@ FLOAT64 = np.dtype(np.float64)
 #: dtypes accepted for x and dy
 SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 _SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"
+_MAX_GPU_N = 2**31  # the forward kernel indexes within a row with 32-bit offsets
 
 
 # ----------------------------------------------------------------------------- validation
@@ -269,7 +270,14 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
             _check_param_dtype(name, p, x.dtype)
     eps = _check_eps(eps)
     k = _norm_ndim(x, gamma, beta, normalized_shape)
-    dev = _check_devices(inputs) if kind == "cupy" else None
+    dev = None
+    if kind == "cupy":
+        dev = _check_devices(inputs)
+        if math.prod(x.shape[x.ndim - k :]) >= _MAX_GPU_N:
+            raise ValueError(
+                f"x's normalized size must be below 2**31 elements on the GPU, got shape "
+                f"{tuple(x.shape[x.ndim - k:])}"
+            )
     if out is not None:
         lead = tuple(x.shape[: x.ndim - k])
         want = [("y", x.shape, x.dtype, True)] + [("mean", lead, FLOAT32, True)] * is_ln
