@@ -2,7 +2,8 @@
 # One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
 # Logs go to $OUT; a short table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
-#   and multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py)
+#   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
+#   experiments hostprof (benchmarks/hostprof.py) and tune (benchmarks/tune.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -43,6 +44,8 @@ for s in $stages; do
       for tool in memcheck racecheck; do
         run "san_$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_cases.py
       done ;;
+    hostprof) run hostprof python3 benchmarks/hostprof.py ;;
+    tune) run tune python3 benchmarks/tune.py ;;
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   esac
 done

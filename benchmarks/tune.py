@@ -18,10 +18,11 @@ from cupyln.bench import cases, device_us, make_inputs
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-# OPTIONS: compiler options (CLN_FWD_PACKED keeps the forward's row packed in registers)
-FWD = [dict(FWD_NPT_MIN=n, FWD_BLOCK=128, OPTIONS=o) for n, o in itertools.product(
-    (2, 4), (("-std=c++17",), ("-std=c++17", "-DCLN_FWD_PACKED=1")))]
-BWD = [dict(BWD_BLOCK=b, deterministic=d) for b, d in itertools.product((512, 1024), (False, True))]
+# OPTIONS: compiler options (CLN_FWD_BOUNDS: the one-chunk forward's register bound)
+FWD = [dict(FWD_NPT_MIN=n, OPTIONS=o) for n, o in itertools.product(
+    (4, 2), (("-std=c++17",), ("-std=c++17", "-DCLN_FWD_BOUNDS=__maxnreg__(48)")))]
+# backward rows in one chunk: one vector per thread up to 1024 threads, or two up to 512
+BWD = [dict(BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((1, 1024), (2, 512))]
 
 
 def attrs(k):
@@ -36,16 +37,14 @@ def main():
         isz = dtype.itemsize
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
-                det = cfg.get("deterministic", False)
                 for k, v in cfg.items():
                     if k == "OPTIONS":
                         _compile.OPTIONS = v
                         _compile._module_cache.cache_clear()
-                    elif k != "deterministic":
+                    else:
                         setattr(_launch, k, v)
-                _launch.plan_fwd.cache_clear()
-                _launch.plan_bwd.cache_clear()
-                fn = cases(op, x, dy, g, b, None, None, deterministic=det)["cupyln", pass_]
+                _launch.clear_caches()
+                fn = cases(op, x, dy, g, b, None, None)["cupyln", pass_]
                 us = device_us(fn, n_repeat=30)
                 plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
                     x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)

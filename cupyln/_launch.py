@@ -17,25 +17,25 @@ import numpy as np
 
 from . import _compile
 from ._compile import ACC_DTYPES, Spec
+from ._driver import Launcher
 from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
-
-_NULL = np.uint64(0)  # a null pointer argument
 
 # Geometry constants (see row_geometry).
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
-# Backward also holds dy and two partial sums per element: one vector per thread while the row
-# fits in 512 threads, else two; 512-thread blocks, so fewer blocks flush dgamma/dbeta partials
-# (tune.py on the H200: 131072x4096 bf16 1187 us with one vector, 1368 us with two).
-BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512  # blocks of 1024 need npt = 1
+# Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
+# 1024 threads (a 1024-thread block at <= 64 registers keeps 32 warps per SM; two vectors per
+# thread need ~124 registers, so 512-thread blocks and 16 warps). Longer rows take the column-tile
+# path. BWD_BLOCK: threads per block when short rows are stacked (fewer blocks flush partials).
+BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512  # npt > 1 needs tpr * rpb <= 512
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one 2N vector, or per-block
 # partials summed in a fixed order by a second kernel. On the H200 the partials were faster on
 # every benchmark shape (tune.py: 4096x1024 f16 26.6 vs 42.9 us, 1151x8192 f16 57 vs 95 us,
 # 16384x8192 bf16 358 vs 397 us: same-address atomics from hundreds of blocks serialize in L2),
 # so both modes use them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
-TILE_TPR = 256  # long-row backward: threads of one column tile (BWD_NPT vectors each)
+TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 ROWSUMS_TPR = 1024
 
 
@@ -105,7 +105,7 @@ def all_kernel_names(warp):
     """Name expressions of every kernel the planner can launch on a device of this warp size."""
     pairs = [(FLOAT16, FLOAT16), (FLOAT16, FLOAT32), (BFLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
              (FLOAT32, FLOAT32), (FLOAT64, FLOAT64), (FLOAT64, FLOAT32)]
-    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": range(BWD_NPT_MIN, BWD_NPT + 1)}
+    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": range(BWD_NPT_MIN, max(BWD_NPT, TILE_NPT) + 1)}
     names = set()
     for t, w in pairs:
         for ln in (True, False):
@@ -160,9 +160,18 @@ class Plan(NamedTuple):
     grid: tuple
     block: tuple
     smem: int
-    # long-row backward only: grid/block of the row-sum kernel (None otherwise)
-    rs_grid: tuple | None = None
-    rs_block: tuple | None = None
+    launch: dict  # name -> _driver.Launcher with this plan's geometry, for each kernel it runs
+
+
+# Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
+_FWD_ARGS = "pipppppiiX"
+_BWD_ARGS = "pipippppppppppii"
+_ROWSUMS_ARGS = "pipippppii"
+_REDUCE_ARGS = "piipp"
+
+
+def _kinds(args, dtype):
+    return args.replace("X", "d" if ACC_DTYPES[dtype] == FLOAT64 else "f")
 
 
 @functools.cache
@@ -171,9 +180,11 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     g = _spread(g, M, info.warp, info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
-    grid = min(_cdiv(M, g.rpb), info.sms * 64)
+    grid = (min(_cdiv(M, g.rpb), info.sms * 64),)
     kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
-    return Plan(spec, {"fwd": kern}, (grid,), (g.tpr, g.rpb), 0)
+    block = (g.tpr, g.rpb)
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, {"fwd": kern}, grid, block, 0, launch)
 
 
 @functools.cache
@@ -186,21 +197,26 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
     g = _spread(g, M, info.warp, info.sms)
     acc_size = ACC_DTYPES[dtype].itemsize
+    launch = {}
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         threads = g.tpr * g.rpb
         smem = threads * vec * acc_size if g.rpb > 1 else 0
         kerns = _compile.kernels(spec, "bwd")
         resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
-        grid = min(_cdiv(M, g.rpb), resident)
-        return Plan(spec, kerns, (grid, 1), (g.tpr, g.rpb), smem)
-    spec = Spec(dtype, wdtype, is_ln, vec, BWD_NPT, info.warp)
-    tiles = _cdiv(N, TILE_TPR * BWD_NPT * vec)
-    kerns = _compile.kernels(spec, "bwd")
-    resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, 0, info)
-    gx = max(1, min(M, _cdiv(resident, tiles)))
-    rs_grid = min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4)
-    return Plan(spec, kerns, (gx, tiles), (TILE_TPR, 1), 0, (rs_grid,), (ROWSUMS_TPR, 1))
+        grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
+    else:
+        spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
+        tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
+        kerns = _compile.kernels(spec, "bwd")
+        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, 0, info)
+        grid, block, smem = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1), 0
+        rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
+        launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
+                                     _ROWSUMS_ARGS)
+    launch["bwd"] = Launcher(kerns["bwd"], grid, block, smem, _BWD_ARGS)
+    launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
+    return Plan(spec, kerns, grid, block, smem, launch)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -263,30 +279,51 @@ def _flat(p):
     return cp.ascontiguousarray(p).reshape(-1)
 
 
-def _views(mem, parts):
-    """Arrays laid one after another (256-byte aligned) in one allocation ``mem``: one pool
-    allocation instead of one per output. ``parts`` are (shape, dtype) pairs."""
-    out, off = [], 0
-    for shape, dtype in parts:
-        out.append(cp.ndarray(shape, dtype, mem + off))
-        off += _round_up(math.prod(shape) * dtype.itemsize, 256)
-    return out
+class _Layout:
+    """Arrays laid one after another (256-byte aligned) in one pool allocation: one allocation
+    per call instead of one per output. ``parts`` are (shape, dtype) pairs."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts):
+        self.parts, off = [], 0
+        for shape, dtype in parts:
+            self.parts.append((tuple(shape), dtype, off))
+            off += _round_up(math.prod(shape) * dtype.itemsize, 256)
+        self.nbytes = off
+
+    def make(self):
+        if not self.parts:
+            return []
+        mem = cp.cuda.alloc(self.nbytes)
+        return [cp.ndarray(shape, dtype, mem + off) for shape, dtype, off in self.parts]
 
 
-def _nbytes(parts):
-    return sum(_round_up(math.prod(shape) * dtype.itemsize, 256) for shape, dtype in parts)
-
-
-def _outputs(parts, given):
-    """Arrays for the (shape, dtype) ``parts``: the caller's where ``given`` has one (``out=``,
-    validated by the API), the rest views of one pool allocation."""
-    missing = [p for p, o in zip(parts, given, strict=True) if o is None]
-    new = iter(_views(cp.cuda.alloc(_nbytes(missing)), missing) if missing else ())
-    return [next(new) if o is None else o for o in given]
+def _fill(given, new):
+    """The caller's ``out=`` entries where given, the new arrays (in order) elsewhere."""
+    if given is None:
+        return new
+    it = iter(new)
+    return [next(it) if o is None else o for o in given]
 
 
 def _ptr(a):
-    return _NULL if a is None else a
+    return 0 if a is None else a.data.ptr
+
+
+def _overlap(outs, ins):
+    """Whether a non-empty output touches the bytes of an input or of another output (the
+    ``out=`` rule the API validates; checked again on remembered calls)."""
+    from .api import _span
+
+    spans = [_span(a) for a in ins if a is not None and a.size]
+    for o in outs:
+        if o is not None and o.size:
+            lo, hi = _span(o)
+            if any(lo < ihi and ilo < hi for ilo, ihi in spans):
+                return True
+            spans.append((lo, hi))
+    return False
 
 
 class _on_device:
@@ -308,37 +345,164 @@ class _on_device:
 
 
 # ----------------------------------------------------------------------------- passes
+#
+# A pass is prepared once per signature (device, shapes, strides, dtypes, flags, which outputs
+# were given) as a _HotFwd / _HotBwd: the plan's launchers, the output layout and the constant
+# kernel arguments. Calling it costs the pointer reads, one allocation and the launches. It
+# returns None (the caller then takes the general path) when this call's pointers do not suit
+# the plan's vector width, an out= array overlaps an input, or another device is current.
 
 
-def forward(x, gamma, beta, eps, k, is_ln, out=None):
+class _HotFwd:
+    __slots__ = ("dev", "plan", "layout", "given", "consts", "xmask", "wmask", "is_ln")
+
+    def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
+        parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+        self.dev, self.plan, self.is_ln = dev, plan, is_ln
+        self.given = given if given and any(given) else None  # which outputs out= gives
+        self.layout = _Layout([p for i, p in enumerate(parts)
+                               if self.given is None or not self.given[i]])
+        self.consts = (ldx, M, N, eps)
+        v = plan.spec.vec
+        self.xmask = v * plan.spec.dtype.itemsize - 1
+        self.wmask = v * plan.spec.wdtype.itemsize - 1
+
+    def __call__(self, x, gamma, beta, out):
+        if cp.cuda.runtime.getDevice() != self.dev:
+            return None
+        xp, gp, bp = x.data.ptr, _ptr(gamma), _ptr(beta)
+        outs = _fill(out if self.given else None, self.layout.make())
+        y, rstd = outs[0], outs[-1]
+        mean = outs[1] if self.is_ln else None
+        if (xp | y.data.ptr) & self.xmask or (gp | bp) & self.wmask:
+            return None
+        if self.given and _overlap(outs, (x, gamma, beta)):
+            return None
+        ldx, M, N, eps = self.consts
+        self.plan.launch["fwd"](xp, ldx, gp, bp, y.data.ptr, _ptr(mean), rstd.data.ptr, M, N, eps)
+        return (y, mean, rstd) if self.is_ln else (y, rstd)
+
+
+class _HotBwd:
+    __slots__ = ("dev", "plan", "layout", "given", "want", "consts", "xmask", "wmask", "scratch",
+                 "atomic")
+
+    def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
+                 M, N):
+        acc = ACC_DTYPES[plan.spec.dtype]
+        parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
+        self.dev, self.plan, self.want = dev, plan, want
+        self.given = given if given and any(given) else None  # which outputs out= gives
+        new = [p for i, p in enumerate(parts)
+               if want[i] and (self.given is None or not self.given[i])]
+        # scratch after the outputs, in the same allocation (held while the outputs live):
+        # the dgamma/dbeta partials of each block, and the row sums of long rows
+        P = plan.grid[0]
+        params = want[1] or want[2]
+        self.scratch = (params and partials, "rowsums" in plan.launch)
+        self.atomic = params and not partials
+        if self.scratch[0]:
+            new.append(((P, 2 * N), acc))
+        if self.scratch[1]:
+            new.append(((M, 2), acc))
+        self.layout = _Layout(new)
+        self.consts = (ldx, lddy, M, N, P)
+        v = plan.spec.vec
+        self.xmask = v * plan.spec.dtype.itemsize - 1
+        self.wmask = v * wdtype.itemsize - 1
+
+    def __call__(self, dy, x, gamma, mean, rstd, out):
+        if cp.cuda.runtime.getDevice() != self.dev:
+            return None
+        new = self.layout.make()
+        rowsums = new.pop() if self.scratch[1] else None
+        partial = new.pop() if self.scratch[0] else None
+        it = iter(new)
+        given = (*out, None, None)[:3] if self.given else (None, None, None)  # RMSNorm: 2 given
+        dx, dgamma, dbeta = (
+            (next(it) if g is None else g) if w else None
+            for w, g in zip(self.want, given, strict=True)
+        )
+        dyp, xp, gp, dxp = dy.data.ptr, x.data.ptr, _ptr(gamma), _ptr(dx)
+        dgp, dbp = _ptr(dgamma), _ptr(dbeta)
+        if (dyp | xp | dxp) & self.xmask or (gp | dgp | dbp) & self.wmask:
+            return None
+        if self.given and _overlap((dx, dgamma, dbeta), (dy, x, gamma, mean, rstd)):
+            return None
+        ldx, lddy, M, N, P = self.consts
+        mp, rp, rsp = _ptr(mean), rstd.data.ptr, _ptr(rowsums)
+        launch = self.plan.launch
+        if rowsums is not None:
+            launch["rowsums"](dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
+        pp = _ptr(partial)
+        ap = cnt = 0
+        if self.atomic:  # float32 atomics into zeroed accumulators, then a counter (norm_bwd.cu)
+            acc = cp.zeros(2 * N + 2, ACC_DTYPES[self.plan.spec.dtype])
+            ap = acc.data.ptr
+            cnt = ap + 2 * N * acc.itemsize
+        launch["bwd"](dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M, N)
+        if partial is not None:
+            launch["reduce"](pp, P, N, dgp, dbp)
+        return dx, dgamma, dbeta
+
+
+@functools.cache
+def _hot_fwd(*key):
+    return _HotFwd(*key)
+
+
+@functools.cache
+def _hot_bwd(*key):
+    return _HotBwd(*key)
+
+
+def clear_caches():
+    """Forget every plan and remembered call (after changing this module's constants)."""
+    from . import api
+
+    for f in (plan_fwd, plan_bwd, _hot_fwd, _hot_bwd):
+        f.cache_clear()
+    api._HOT.clear()
+
+
+def _given(out):
+    return None if out is None else tuple(o is not None for o in out)
+
+
+def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None):
+    """The forward pass on validated CuPy arrays. ``remember(hot)`` is called with the prepared
+    pass when later calls of the same signature can use it as they are (no input copies)."""
     dev = x.data.device_id
     with _on_device(dev):
         lead = x.shape[: x.ndim - k]
         M = math.prod(lead)
         N = math.prod(x.shape[x.ndim - k :])
-        parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
-        outs = _outputs(parts, out or (None,) * len(parts))  # y, (mean,) rstd
-        y, rstd = outs[0], outs[-1]
-        mean = outs[1] if is_ln else None
-        if M:
-            if gamma is not None and beta is not None and gamma.dtype != beta.dtype:
-                gamma, beta = gamma.astype(FLOAT32), beta.astype(FLOAT32)
-            gamma, beta = _flat(gamma), _flat(beta)
-            wdtype = next((p.dtype for p in (gamma, beta) if p is not None), x.dtype)
-            xr, ldx = _rows(x, k, N)
-            ptrs = [(xr.data.ptr, x.itemsize), (y.data.ptr, x.itemsize)]
-            ptrs += [(p.data.ptr, p.itemsize) for p in (gamma, beta) if p is not None]
-            vec = _vec(x.dtype, N, (ldx,), ptrs)
-            plan = plan_fwd(dev, x.dtype, wdtype, is_ln, M, N, vec)
-            acc = ACC_DTYPES[x.dtype].type
-            plan.kerns["fwd"](plan.grid, plan.block,
-                 (xr, np.int64(ldx), _ptr(gamma), _ptr(beta), y, _ptr(mean), rstd,
-                  np.int64(M), np.int64(N), acc(eps)))
-    return (y, mean, rstd) if is_ln else (y, rstd)
+        if not M:
+            parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+            outs = _fill(out, _Layout([p for p, o in zip(parts, out or (None,) * len(parts),
+                                                          strict=True) if o is None]).make())
+            return tuple(outs) if is_ln else (outs[0], outs[-1])
+        as_is = gamma is None or beta is None or gamma.dtype == beta.dtype
+        if not as_is:
+            gamma, beta = gamma.astype(FLOAT32), beta.astype(FLOAT32)
+        g2, b2 = _flat(gamma), _flat(beta)
+        xr, ldx = _rows(x, k, N)
+        as_is = as_is and g2 is gamma and b2 is beta and xr is x
+        ptrs = [(xr.data.ptr, x.itemsize)]
+        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, b2) if p is not None]
+        ptrs += [(o.data.ptr, o.itemsize) for o in out or () if o is not None]
+        vec = _vec(x.dtype, N, (ldx,), ptrs)
+        wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
+        plan = plan_fwd(dev, x.dtype, wdtype, is_ln, M, N, vec)
+        hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps)
+        if remember is not None and as_is:
+            remember(hot)
+        return hot(xr, g2, b2, out)
 
 
 def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic,
-             out=None):
+             out=None, remember=None):
+    """The backward pass on validated CuPy arrays; ``remember`` as in :func:`forward`."""
     dev = x.data.device_id
     with _on_device(dev):
         norm_shape = x.shape[x.ndim - k :]
@@ -347,52 +511,34 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         wdtype = x.dtype if gamma is None else gamma.dtype
         if not (need_dx or need_dgamma or need_dbeta):
             return None, None, None
-        wanted = [(x.shape, x.dtype, need_dx), (norm_shape, wdtype, need_dgamma),
-                  (norm_shape, wdtype, need_dbeta)]
-        given = out or (None, None, None)
-        it = iter(_outputs([(sh, dt) for sh, dt, f in wanted if f],
-                           [o for (_, _, f), o in zip(wanted, given, strict=True) if f]))
-        dx, dgamma, dbeta = (next(it) if f else None for _, _, f in wanted)
+        want = (need_dx, need_dgamma, need_dbeta)
         if not M:  # no rows: no kernel, zero parameter gradients
+            parts = [(x.shape, x.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
+            given = out or (None, None, None)
+            new = iter(_Layout([p for p, w, o in zip(parts, want, given, strict=True)
+                                if w and o is None]).make())
+            dx, dgamma, dbeta = ((next(new) if o is None else o) if w else None
+                                 for w, o in zip(want, given, strict=True))
             for a in (dgamma, dbeta):
                 if a is not None:
                     a.fill(0)
             return dx, dgamma, dbeta
-        gamma = _flat(gamma)
-        mean = None if mean is None else cp.ascontiguousarray(mean)
-        rstd = cp.ascontiguousarray(rstd)
+        g2 = _flat(gamma)
+        m2 = None if mean is None else cp.ascontiguousarray(mean)
+        r2 = cp.ascontiguousarray(rstd)
         xr, ldx = _rows(x, k, N)
         dyr, lddy = _rows(dy, k, N)
+        as_is = g2 is gamma and m2 is mean and r2 is rstd and xr is x and dyr is dy
         ptrs = [(xr.data.ptr, x.itemsize), (dyr.data.ptr, x.itemsize)]
-        ptrs += [(p.data.ptr, p.itemsize) for p in (dx, gamma, dgamma, dbeta) if p is not None]
+        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, *(out or ())) if p is not None]
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
-        kerns = plan.kerns
-        acc_dtype = ACC_DTYPES[x.dtype]
-        need_params = need_dgamma or need_dbeta
-        accum = counter = partial = rowsums = None
-        P = plan.grid[0]
-        if need_params:
-            if deterministic or not ATOMIC_FLUSH:
-                partial = cp.empty((P, 2 * N), acc_dtype)
-            else:
-                scratch = cp.zeros(2 * N + 2, acc_dtype)  # accumulators, then the counter
-                accum, counter = scratch, scratch[2 * N :]
-        i64 = np.int64
-        if plan.rs_grid is not None:
-            rowsums = cp.empty((M, 2), acc_dtype)
-            kerns["rowsums"](plan.rs_grid, plan.rs_block,
-                             (dyr, i64(lddy), xr, i64(ldx), _ptr(gamma), _ptr(mean), rstd,
-                              rowsums, i64(M), i64(N)))
-        kerns["bwd"](plan.grid, plan.block,
-                     (dyr, i64(lddy), xr, i64(ldx), _ptr(gamma), _ptr(mean), rstd,
-                      _ptr(rowsums), _ptr(dx), _ptr(dgamma), _ptr(dbeta), _ptr(accum),
-                      _ptr(counter), _ptr(partial), i64(M), i64(N)),
-                     shared_mem=plan.smem)
-        if partial is not None:
-            kerns["reduce"]((_cdiv(2 * N, 32),), (32, 8),
-                            (partial, i64(P), i64(N), _ptr(dgamma), _ptr(dbeta)))
-    return dx, dgamma, dbeta
+        partials = deterministic or not ATOMIC_FLUSH
+        hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
+                       ldx, lddy, M, N)
+        if remember is not None and as_is:
+            remember(hot)
+        return hot(dyr, xr, g2, m2, r2, out)
 
 
 def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None):

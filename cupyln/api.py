@@ -210,8 +210,8 @@ def _span(a):
 def _check_out(out, want, kind, dev, inputs):
     """Validate ``out=``: None, or a tuple with one entry per output, each None (allocate it) or
     an array of the output's exact shape and dtype, C-contiguous, of the inputs' kind and device,
-    overlapping no input. ``want`` holds (name, shape, dtype, computed) per output. Returns the
-    tuple of entries (all None when out is None)."""
+    overlapping no input and no other output. ``want`` holds (name, shape, dtype, computed) per
+    output. Returns the tuple of entries (all None when out is None)."""
     if out is None:
         return (None,) * len(want)
     names = ", ".join(w[0] for w in want)
@@ -235,11 +235,13 @@ def _check_out(out, want, kind, dev, inputs):
         if kind == "cupy" and o.data.device_id != dev:
             raise ValueError(f"{label} is on device {o.data.device_id}; the inputs are on {dev}")
         if spans is None:
-            spans = [(n, _span(a)) for n, a in inputs if a is not None and a.size]
+            spans = [(f"the input {n}", _span(a)) for n, a in inputs if a is not None and a.size]
         lo, hi = _span(o)
         for n, (ilo, ihi) in spans:
             if o.size and lo < ihi and ilo < hi:
-                raise ValueError(f"{label} overlaps the input {n}")
+                raise ValueError(f"{label} overlaps {n}")
+        if o.size:
+            spans.append((label, (lo, hi)))  # outputs must not share memory either
     return tuple(out)
 
 
@@ -259,7 +261,50 @@ def _param_dtype(gamma, x_dtype):
 # ----------------------------------------------------------------------------- forward
 
 
+# ----------------------------------------------------------------------------- hot calls
+#
+# A CuPy call whose signature (types, shapes, strides, dtypes, devices, eps and flags, the same
+# for out= arrays) passed validation once, and whose arrays went to the kernels without a copy,
+# is remembered with its prepared launch: a later call of that signature skips validation and
+# planning. What depends on more than the signature (pointer alignment, out= overlap, the current
+# device) is still checked on every call, by the prepared launch (see _launch).
+_HOT = {}
+_HOT_MAX = 4096  # signatures kept; past that the table starts over
+
+
+def _sig(a):
+    return None if a is None else (type(a), a.shape, a.strides, a.dtype, a.data.device_id)
+
+
+def _remember(key):
+    if key is None:
+        return None
+
+    def put(hot):
+        if len(_HOT) >= _HOT_MAX:
+            _HOT.clear()
+        _HOT[key] = hot
+
+    return put
+
+
+def _fwd_key(x, gamma, beta, eps, normalized_shape, is_ln, out):
+    if type(x) is not _CUPY_ARRAY or type(eps) is not float or normalized_shape is not None:
+        return None
+    try:
+        outs = None if out is None else tuple(_sig(o) for o in out)
+        return (is_ln, eps, _sig(x), _sig(gamma), _sig(beta), outs)
+    except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
+        return None
+
+
 def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
+    key = _fwd_key(x, gamma, beta, eps, normalized_shape, is_ln, out)
+    hot = _HOT.get(key) if key is not None else None
+    if hot is not None:
+        res = hot(x, gamma, beta, out)
+        if res is not None:
+            return res
     if x is None:
         raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
     inputs = [("x", x), ("gamma", gamma), ("beta", beta)]
@@ -286,7 +331,7 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
     if kind == "cupy":
         from . import _launch
 
-        return _launch.forward(x, gamma, beta, eps, k, is_ln, out)
+        return _launch.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key))
     out = out or (None,) * (3 if is_ln else 2)
     if is_ln:
         y, mean, rstd = _ref.layer_norm_fwd(x, gamma, beta, eps, k)
@@ -315,7 +360,24 @@ def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None, out=None):
 # ----------------------------------------------------------------------------- backward
 
 
+def _bwd_key(dy, x, gamma, mean, rstd, flags, out):
+    if type(x) is not _CUPY_ARRAY or any(type(f) is not bool for f in flags):
+        return None
+    try:
+        outs = None if out is None else tuple(_sig(o) for o in out)
+        return (flags, _sig(dy), _sig(x), _sig(gamma), _sig(mean), _sig(rstd), outs)
+    except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
+        return None
+
+
 def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out):
+    flags = (need_dx, need_dgamma, need_dbeta, deterministic, mean is None)
+    key = _bwd_key(dy, x, gamma, mean, rstd, flags, out)
+    hot = _HOT.get(key) if key is not None else None
+    if hot is not None:
+        res = hot(dy, x, gamma, mean, rstd, out)
+        if res is not None:
+            return res
     stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
     kind, k = _check_bwd(dy, x, gamma, stats)
     need_dx = _check_flag("need_dx", need_dx)
@@ -334,7 +396,8 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
         from . import _launch
 
         return _launch.backward(
-            dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out
+            dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out,
+            _remember(key),
         )
     out = out or (None, None, None)
     dx, dgamma, dbeta = _ref._norm_bwd(dy, x, gamma, mean, rstd)

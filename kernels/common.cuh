@@ -37,12 +37,15 @@ __device__ __forceinline__ float to_acc(cl_half v) {
 
 template <typename T> struct Store;
 template <> struct Store<float> {
+  static const bool is_bf16 = false;
   template <typename C> __device__ __forceinline__ static float cvt(C v) { return (float)v; }
 };
 template <> struct Store<double> {
+  static const bool is_bf16 = false;
   template <typename C> __device__ __forceinline__ static double cvt(C v) { return (double)v; }
 };
 template <> struct Store<cl_half> {
+  static const bool is_bf16 = false;
   __device__ __forceinline__ static cl_half cvt(float v) {
     cl_half h;
 #ifdef CLN_HIP
@@ -56,16 +59,21 @@ template <> struct Store<cl_half> {
   }
 };
 template <> struct Store<cl_bf16> {
+  static const bool is_bf16 = true;
   // Round to nearest even; NaN stays a (quiet) NaN of the same sign.
   __device__ __forceinline__ static cl_bf16 cvt(float v) {
-    unsigned int u = __float_as_uint(v);
     cl_bf16 b;
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(v));  // one instruction from sm_80 on
+#else
+    unsigned int u = __float_as_uint(v);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
       b.bits = (unsigned short)((u >> 16) | 0x0040u);
     } else {
       u += 0x7fffu + ((u >> 16) & 1u);
       b.bits = (unsigned short)(u >> 16);
     }
+#endif
     return b;
   }
 };
@@ -77,6 +85,19 @@ __device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The
 // planner picks V so that every pointer and row stride it is used with is aligned to it.
 template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+// Element j of a pack, converted to the accumulation type. bfloat16 pairs are taken from the
+// 32-bit word holding them (a shift or a mask), which keeps packed rows packed in registers.
+template <typename T, int V>
+__device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V>& p, int j) {
+  return (typename Acc<T>::type)to_acc(p.v[j]);
+}
+template <int V>
+__device__ __forceinline__ float elem(const Pack<cl_bf16, V>& p, int j) {
+  if (V == 1) return to_acc(p.v[0]);
+  const unsigned int w = reinterpret_cast<const unsigned int*>(p.v)[j >> 1];
+  return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+}
 
 template <int V, typename T, typename C>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
@@ -106,9 +127,37 @@ __device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT]
     for (int j = 0; j < VEC; ++j) v[k][j] = (C)to_acc(p[k].v[j]);
 }
 
+// Ask L2 for the vectors this thread will read from a parameter vector of a one-chunk row (no
+// registers held; a no-op on HIP, where the loads simply go to memory when issued).
+template <int VEC, int NPT, typename W>
+__device__ __forceinline__ void prefetch_l2(const W* __restrict__ p, cl_i64 N) {
+#ifndef CLN_HIP
+  if (p == nullptr || threadIdx.y != 0) return;
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    if (col < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + col));
+  }
+#endif
+}
+
 template <int V, typename T, typename C>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   Pack<T, V> pk;
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (sizeof(T) == 2 && V % 2 == 0) {  // two 16-bit values per conversion instruction
+    unsigned int* w = reinterpret_cast<unsigned int*>(pk.v);
+#pragma unroll
+    for (int j = 0; j < V; j += 2) {
+      if (Store<T>::is_bf16)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[j / 2]) : "f"((float)in[j + 1]), "f"((float)in[j]));
+      else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[j / 2]) : "f"((float)in[j + 1]), "f"((float)in[j]));
+    }
+    *reinterpret_cast<Pack<T, V>*>(p) = pk;
+    return;
+  }
+#endif
 #pragma unroll
   for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
   *reinterpret_cast<Pack<T, V>*>(p) = pk;
@@ -127,32 +176,79 @@ template <typename C> __device__ __forceinline__ C shfl_xor(C v, int lane_mask) 
 #endif
 }
 
+// Shuffle-only part: sum over the row's threads within one warp (all of the row when tpr <= WARP).
 template <int WARP, int K, typename C>
-__device__ __forceinline__ void row_allreduce(C (&v)[K]) {
-  __shared__ C red[K][1024 / WARP];
-  const int tpr = blockDim.x;
-  const int width = tpr < WARP ? tpr : WARP;
+__device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
+  const int width = (int)blockDim.x < WARP ? (int)blockDim.x : WARP;
   for (int o = width >> 1; o > 0; o >>= 1) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
   }
+}
+
+// Sum over the row's threads. Rows of several warps exchange warp sums through shared memory
+// with one barrier: `phase` alternates between consecutive calls (the caller's row counter), so
+// a fast warp's next write goes to the other buffer while slow warps still read this one.
+template <int WARP, int K, typename C>
+__device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
+  __shared__ C red[2][K][1024 / WARP];
+  warp_allreduce<WARP>(v);
+  const int tpr = blockDim.x;
   if (tpr > WARP) {  // uniform over the block
     const int tid = threadIdx.y * tpr + threadIdx.x;
     const int warp = tid / WARP, lane = tid % WARP;
     const int nw = tpr / WARP;
-    __syncthreads();  // the previous call's readers are done with red
     if (lane == 0) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) red[k][warp] = v[k];
+      for (int k = 0; k < K; ++k) red[phase & 1][k][warp] = v[k];
     }
     __syncthreads();
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = lane < nw ? red[k][threadIdx.y * nw + lane] : C(0);
+    for (int k = 0; k < K; ++k) v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
     for (int o = WARP >> 1; o > 0; o >>= 1) {
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
     }
   }
+}
+
+// Count, mean and M2 (sum of squared deviations) of a row from its warps' own exact two-pass
+// statistics (n_w, mean_w, m2_w), each computed with shuffles alone: mean = sum(n_w mean_w) / n,
+// m2 = sum(m2_w + n_w (mean_w - mean)^2), a sum of non-negative terms (never E[x^2] - E[x]^2).
+// One barrier per call (`phase` as in row_allreduce). Rows within one warp return their input.
+template <int WARP, typename C>
+__device__ __forceinline__ void merge_warp_stats(C& n, C& mean, C& m2, int phase) {
+  __shared__ C st[2][3][1024 / WARP];
+  const int tpr = blockDim.x;
+  if (tpr <= WARP) return;  // uniform over the block
+  const int tid = threadIdx.y * tpr + threadIdx.x;
+  const int warp = tid / WARP, lane = tid % WARP;
+  const int nw = tpr / WARP;
+  if (lane == 0) {
+    st[phase & 1][0][warp] = n;
+    st[phase & 1][1][warp] = mean;
+    st[phase & 1][2][warp] = m2;
+  }
+  __syncthreads();
+  // Lane L takes warp (L mod width): every group of `width` lanes holds all of the row's warps,
+  // so the butterflies give every lane the same totals.
+  int width = 1;
+  while (width < nw) width <<= 1;
+  const int i = lane & (width - 1);
+  const bool has = i < nw;
+  const int w = threadIdx.y * nw + i;
+  const C ni = has ? st[phase & 1][0][w] : C(0), mi = has ? st[phase & 1][1][w] : C(0);
+  C a[2] = {ni, ni * mi};
+  for (int o = width >> 1; o > 0; o >>= 1) {
+    a[0] += shfl_xor(a[0], o);
+    a[1] += shfl_xor(a[1], o);
+  }
+  n = a[0];
+  mean = n > C(0) ? a[1] / n : C(0);
+  const C d = mi - mean;
+  C q[1] = {has ? st[phase & 1][2][w] + ni * d * d : C(0)};
+  for (int o = width >> 1; o > 0; o >>= 1) q[0] += shfl_xor(q[0], o);
+  m2 = q[0];
 }
 
 // (count, mean, M2) statistics merged with Chan et al.'s pairwise formula: numerically stable,

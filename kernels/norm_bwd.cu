@@ -35,7 +35,8 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
 
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
+  int phase = 0;
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const cl_i64 r = valid ? row : 0;
@@ -75,7 +76,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
       s[0] = valid ? rowsums[2 * r] : C(0);
       s[1] = valid ? rowsums[2 * r + 1] : C(0);
     } else {
-      row_allreduce<WARP>(s);
+      row_allreduce<WARP>(s, phase);
     }
     if (dx && valid) {
       const C mg = LN ? s[0] * inv_n : C(0);
@@ -145,7 +146,8 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x) {
+  int phase = 0;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const T* xr = x + row * ldx;
     const T* dyr = dy + row * lddy;
     const C mu = LN ? (C)mean[row] : C(0);
@@ -173,7 +175,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
         }
       }
     }
-    row_allreduce<WARP>(s);
+    row_allreduce<WARP>(s, phase);
     if (threadIdx.x == 0) {
       rowsums[2 * row] = s[0];
       rowsums[2 * row + 1] = s[1];

@@ -182,6 +182,8 @@ BAD_OUT = [
     (TypeError, "out rstd must be", lambda o: cupyln.layer_norm_fwd(X, G, out=(None, None, [0]))),
     (ValueError, "out y overlaps the input x", lambda o: cupyln.layer_norm_fwd(
         X, G, out=(X, None, None))),
+    (ValueError, "out rstd overlaps out mean", lambda o: cupyln.layer_norm_fwd(
+        X, G, out=(None, o[1], o[1]))),
     (ValueError, "out dgamma was given, but dgamma is not computed", lambda o: cupyln.layer_norm_bwd(
         X, X, None, MEAN, RSTD, out=(None, np.zeros(8, np.float32), None))),
     (ValueError, "out dx was given, but dx is not computed", lambda o: cupyln.rms_norm_bwd(

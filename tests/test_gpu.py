@@ -197,6 +197,9 @@ def atomic_flush(monkeypatch):
     from cupyln import _launch
 
     monkeypatch.setattr(_launch, "ATOMIC_FLUSH", True)
+    _launch.clear_caches()  # calls remembered with the partials flush must not be reused
+    yield
+    _launch.clear_caches()
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -372,6 +375,38 @@ def test_out_matches_the_allocating_path(M, N):
                               out=(cp.empty_like(x), cp.empty(N, cp.float32)))
     want = cupyln.rms_norm_bwd(dy, x, g, rr, deterministic=True)
     assert cp.array_equal(got[0], want[0]) and cp.array_equal(got[1], want[1])
+
+
+# --------------------------------------------------------------------------- remembered calls
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt", [(7, 64, F16), (300, 4096, BF16), (3, 20000, F32)])
+def test_repeated_calls_of_one_signature(op, M, N, dt):
+    """Calls after the first take the remembered launch: new values, same results as the
+    reference; an input at an address the plan's vector width does not suit (an element past
+    an aligned one) and an out= array that overlaps an input are still caught."""
+    from cupyln import api
+
+    for seed in range(3):
+        check_case(op, *inputs(M, N, dt, dt, seed=seed))
+    assert any(k[2][1] == (M, N) for k in api._HOT if len(k) == 6)  # forward was remembered
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, dt, seed=5)
+
+    def shifted(a):  # same shape, strides and dtype; the data starts one element later
+        buf = cp.empty(a.size + 1, a.dtype)
+        v = buf[1:].reshape(a.shape)
+        v[...] = a
+        return v
+
+    check_case(op, x_h, dy_h, g_h, b_h, layout=shifted)
+    x, g = cp.asarray(x_h), cp.asarray(g_h)
+    fwd = (lambda o: cupyln.layer_norm_fwd(x, g, None, out=o)) if op == "ln" else (
+        lambda o: cupyln.rms_norm_fwd(x, g, out=o))
+    stats = tuple(cp.empty(M, cp.float32) for _ in range(2 if op == "ln" else 1))
+    fwd((cp.empty_like(x), *stats))  # remembered with out=
+    with pytest.raises(ValueError, match="overlaps the input x"):
+        fwd((x, *stats))
 
 
 def test_out_of_the_wrong_kind_raises():
