@@ -94,9 +94,12 @@ __device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V>& p, int j
 }
 template <int V>
 __device__ __forceinline__ float elem(const Pack<cl_bf16, V>& p, int j) {
-  if (V == 1) return to_acc(p.v[0]);
-  const unsigned int w = reinterpret_cast<const unsigned int*>(p.v)[j >> 1];
-  return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+  if constexpr (V == 1) {
+    return to_acc(p.v[0]);
+  } else {
+    const unsigned int w = reinterpret_cast<const unsigned int*>(p.v)[j >> 1];
+    return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+  }
 }
 
 template <int V, typename T, typename C>
@@ -141,25 +144,32 @@ __device__ __forceinline__ void prefetch_l2(const W* __restrict__ p, cl_i64 N) {
 #endif
 }
 
+// Two floats as one 32-bit word of two 16-bit values (lo first in memory); one instruction.
+template <typename T>
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+  unsigned int w;
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (Store<T>::is_bf16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+#else
+  w = (unsigned int)Store<T>::cvt(lo).bits | ((unsigned int)Store<T>::cvt(hi).bits << 16);
+#endif
+  return w;
+}
+
 template <int V, typename T, typename C>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   Pack<T, V> pk;
-#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (sizeof(T) == 2 && V % 2 == 0) {  // two 16-bit values per conversion instruction
+  if constexpr (sizeof(T) == 2 && V % 2 == 0) {  // 16-bit pairs: half the conversions
     unsigned int* w = reinterpret_cast<unsigned int*>(pk.v);
 #pragma unroll
-    for (int j = 0; j < V; j += 2) {
-      if (Store<T>::is_bf16)
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[j / 2]) : "f"((float)in[j + 1]), "f"((float)in[j]));
-      else
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[j / 2]) : "f"((float)in[j + 1]), "f"((float)in[j]));
-    }
-    *reinterpret_cast<Pack<T, V>*>(p) = pk;
-    return;
-  }
-#endif
+    for (int j = 0; j < V; j += 2) w[j / 2] = pack2<T>((float)in[j], (float)in[j + 1]);
+  } else {
 #pragma unroll
-  for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
+    for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
+  }
   *reinterpret_cast<Pack<T, V>*>(p) = pk;
 }
 
