@@ -154,13 +154,16 @@ def _blocks_per_sm(kern, threads, smem, info):
 # ----------------------------------------------------------------------------- plans
 
 
-class Plan(NamedTuple):
-    spec: Spec
-    kerns: dict  # the pass's RawKernels on the plan's device
-    grid: tuple
-    block: tuple
-    smem: int
-    launch: dict  # name -> _driver.Launcher with this plan's geometry, for each kernel it runs
+class Plan:
+    """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
+
+    __slots__ = ("spec", "kerns", "grid", "block", "smem", "launch")
+
+    def __init__(self, spec, kerns, grid, block, smem, launch):
+        self.spec = spec
+        self.kerns = kerns  # the pass's RawKernels on the plan's device
+        self.grid, self.block, self.smem = grid, block, smem
+        self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
@@ -425,7 +428,7 @@ class _HotBwd:
         )
         dyp, xp, gp, dxp = dy.data.ptr, x.data.ptr, _ptr(gamma), _ptr(dx)
         dgp, dbp = _ptr(dgamma), _ptr(dbeta)
-        if (dyp | xp | dxp) & self.xmask or (gp | dgp | dbp) & self.wmask:
+        if (dyp | xp | dxp) & self.xmask or gp & self.wmask:
             return None
         if self.given and _overlap((dx, dgamma, dbeta), (dy, x, gamma, mean, rstd)):
             return None
@@ -490,7 +493,8 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None):
         as_is = as_is and g2 is gamma and b2 is beta and xr is x
         ptrs = [(xr.data.ptr, x.itemsize)]
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, b2) if p is not None]
-        ptrs += [(o.data.ptr, o.itemsize) for o in out or () if o is not None]
+        if out is not None and out[0] is not None:  # y (the statistics are not vectors)
+            ptrs.append((out[0].data.ptr, x.itemsize))
         vec = _vec(x.dtype, N, (ldx,), ptrs)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         plan = plan_fwd(dev, x.dtype, wdtype, is_ln, M, N, vec)
@@ -530,7 +534,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         dyr, lddy = _rows(dy, k, N)
         as_is = g2 is gamma and m2 is mean and r2 is rstd and xr is x and dyr is dy
         ptrs = [(xr.data.ptr, x.itemsize), (dyr.data.ptr, x.itemsize)]
-        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, *(out or ())) if p is not None]
+        # vector accesses: x, dy, dx and gamma (dgamma/dbeta are written per element)
+        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0]) if p is not None]
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
         partials = deterministic or not ATOMIC_FLUSH
