@@ -11,18 +11,18 @@ import itertools
 import cupy as cp
 import numpy as np
 
-from cupyln import _compile, _launch
+from cupyln import _launch
 from cupyln.api import BFLOAT16
 from cupyln.bench import cases, device_us, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-# OPTIONS: compiler options (CLN_FWD_BOUNDS: the one-chunk forward's register bound)
-FWD = [dict(FWD_NPT_MIN=n, OPTIONS=o) for n, o in itertools.product(
-    (4, 2), (("-std=c++17",), ("-std=c++17", "-DCLN_FWD_BOUNDS=__maxnreg__(48)")))]
+# STAGED: rows through shared memory by cp.async (the next row in flight) or loaded directly
+FWD = [dict(STAGED=st, FWD_NPT_MIN=n) for st, n in itertools.product((True, False), (4, 2))]
 # backward rows in one chunk: one vector per thread up to 1024 threads, or two up to 512
-BWD = [dict(BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((1, 1024), (2, 512))]
+BWD = [dict(STAGED=st, BWD_NPT=n, BWD_TPR_MAX=t) for st, (n, t) in itertools.product(
+    (True, False), ((1, 1024), (2, 512)))]
 
 
 def attrs(k):
@@ -38,11 +38,7 @@ def main():
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
                 for k, v in cfg.items():
-                    if k == "OPTIONS":
-                        _compile.OPTIONS = v
-                        _compile._module_cache.cache_clear()
-                    else:
-                        setattr(_launch, k, v)
+                    setattr(_launch, k, v)
                 _launch.clear_caches()
                 fn = cases(op, x, dy, g, b, None, None)["cupyln", pass_]
                 us = device_us(fn, n_repeat=30)
@@ -50,7 +46,8 @@ def main():
                     x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
                 gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3
                 print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {cfg} grid={plan.grid} "
-                      f"block={plan.block} {attrs(plan.kerns[pass_])}: {us:8.1f} us "
+                      f"block={plan.block} smem={plan.smem} {attrs(plan.kerns[pass_])}: "
+                      f"{us:8.1f} us "
                       f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
         x = dy = g = b = None
         cp.get_default_memory_pool().free_all_blocks()

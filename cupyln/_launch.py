@@ -36,6 +36,10 @@ BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512  # npt > 1 needs 
 # so both modes use them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
+# Rows staged through shared memory with asynchronous copies where the device has them (the
+# next row in flight while this one is reduced); False (for measurements) loads directly, as
+# the kernels do anyway on HIP and before sm_80.
+STAGED = True
 ROWSUMS_TPR = 1024
 
 
@@ -127,18 +131,28 @@ class DeviceInfo(NamedTuple):
     threads_per_sm: int
     regs_per_sm: int
     smem_per_sm: int
+    staged: bool  # rows go through shared memory by cp.async (CUDA, sm_80 on: CLN_ASYNC)
 
 
 @functools.cache
 def device_info(dev_id):
-    a = cp.cuda.Device(dev_id).attributes
+    dev = cp.cuda.Device(dev_id)
+    a = dev.attributes
     return DeviceInfo(
         sms=a.get("MultiProcessorCount", 1),
         warp=a.get("WarpSize", 32),
         threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
+        staged=STAGED and not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 80,
     )
+
+
+def _staging(info, tensors, threads, npt, vec, dtype):
+    """Shared memory bytes of the kernels' row staging (two stages per tensor), as the kernels'
+    Staged<Pack> decides: only where cp.async exists and a vector is 4 bytes or more."""
+    pack = vec * dtype.itemsize
+    return 2 * tensors * npt * threads * pack if info.staged and pack >= 4 else 0
 
 
 def _blocks_per_sm(kern, threads, smem, info):
@@ -186,8 +200,9 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     grid = (min(_cdiv(M, g.rpb), info.sms * 64),)
     kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
     block = (g.tpr, g.rpb)
-    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, {"fwd": kern}, grid, block, 0, launch)
+    smem = _staging(info, 1, g.tpr * g.rpb, g.npt, vec, dtype) if g.fits else 0
+    launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, {"fwd": kern}, grid, block, smem, launch)
 
 
 @functools.cache
@@ -204,7 +219,8 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         threads = g.tpr * g.rpb
-        smem = threads * vec * acc_size if g.rpb > 1 else 0
+        smem = _staging(info, 2, threads, g.npt, vec, dtype)
+        smem += threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         kerns = _compile.kernels(spec, "bwd")
         resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
         grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
@@ -212,8 +228,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
         kerns = _compile.kernels(spec, "bwd")
-        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, 0, info)
-        grid, block, smem = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1), 0
+        smem = _staging(info, 2, TILE_TPR, TILE_NPT, vec, dtype)
+        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, smem, info)
+        grid, block = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1)
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
@@ -463,7 +480,7 @@ def clear_caches():
     """Forget every plan and remembered call (after changing this module's constants)."""
     from . import api
 
-    for f in (plan_fwd, plan_bwd, _hot_fwd, _hot_bwd):
+    for f in (device_info, plan_fwd, plan_bwd, _hot_fwd, _hot_bwd):
         f.cache_clear()
     api._HOT.clear()
 

@@ -130,6 +130,82 @@ __device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT]
     for (int j = 0; j < VEC; ++j) v[k][j] = (C)to_acc(p[k].v[j]);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Rows staged through shared memory with asynchronous copies (sm_80 and later, CUDA): the next
+// row's vectors are in flight while this row is reduced, without holding registers. Each
+// thread copies exactly the vectors it later reads, so no barrier is needed, only its own
+// cp.async.wait_group. Slots: [stage][k][thread of the block] (stride = threads per block).
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CLN_ASYNC 1
+#else
+#define CLN_ASYNC 0
+#endif
+
+// Dynamic shared memory of every kernel (sizes come from the planner).
+extern __shared__ __align__(16) unsigned char cl_smem[];
+
+// Whether a kernel stages rows of packs P: where cp.async exists (it moves 4 to 16 bytes) and
+// the launch gave the `bytes` of dynamic shared memory the staging (and `extra`) needs; the
+// planner decides by giving them or not, and the kernel never uses more than it was given.
+template <typename P>
+__device__ __forceinline__ bool staged_rows(unsigned int bytes) {
+#if CLN_ASYNC
+  if constexpr (sizeof(P) >= 4) {
+    unsigned int n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n >= bytes;
+  }
+#endif
+  return false;
+}
+
+template <int VEC, int NPT, typename T>
+__device__ __forceinline__ void stage_copy(Pack<T, VEC>* slot, int stride,
+                                           const T* __restrict__ row, cl_i64 c0, cl_i64 N,
+                                           bool valid) {
+#if CLN_ASYNC
+  constexpr int B = sizeof(Pack<T, VEC>);
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    if (!valid || col >= N) continue;
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(slot + k * stride));
+    // "memory": not moved above this thread's earlier reads of the slot (reuse after reading)
+    if constexpr (B == 16)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)a), "l"(row + col)
+                   : "memory");
+    else
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"((unsigned)a), "l"(row + col),
+                   "n"(B) : "memory");
+  }
+#endif
+}
+
+// Close the group of copies issued since the last commit, then wait until at most one group
+// (the one just closed) is still in flight.
+__device__ __forceinline__ void stage_commit_wait_prev() {
+#if CLN_ASYNC
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 1;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void stage_commit() {
+#if CLN_ASYNC
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int VEC, int NPT, typename T>
+__device__ __forceinline__ void stage_read(const Pack<T, VEC>* slot, int stride, cl_i64 c0,
+                                           cl_i64 N, bool valid, Pack<T, VEC> (&p)[NPT]) {
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    p[k] = (valid && col < N) ? slot[k * stride] : Pack<T, VEC>{};
+  }
+}
+
 // Ask L2 for the vectors this thread will read from a parameter vector of a one-chunk row (no
 // registers held; a no-op on HIP, where the loads simply go to memory when issued).
 template <int VEC, int NPT, typename W>

@@ -23,7 +23,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
          typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
          typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  extern __shared__ unsigned char cl_smem[];
+  typedef Pack<T, VEC> P;
   const int t = threadIdx.x;
   const C inv_n = C(1) / (C)N;
   const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
@@ -34,7 +34,21 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
 
+  // x and dy rows staged through shared memory (see stage_copy): slots [tensor][stage][k][thread]
+  const int nthr = blockDim.x * blockDim.y;
+  const int tensor = 2 * NPT * nthr;  // slots of one tensor
+  // after the staging: the block-rows sum buffer (sum_over_block_rows) when rows are stacked
+  const unsigned int buf_bytes = blockDim.y > 1 ? nthr * VEC * sizeof(C) : 0;
+  const bool staged = staged_rows<P>(2 * tensor * sizeof(P) + buf_bytes);
+  P* slots = reinterpret_cast<P*>(cl_smem) + threadIdx.y * blockDim.x + t;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
+  const cl_i64 first = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (staged) {
+    const cl_i64 f = first < M ? first : 0;
+    stage_copy<VEC, NPT>(slots, nthr, x + f * ldx, c0, N, first < M);
+    stage_copy<VEC, NPT>(slots + tensor, nthr, dy + f * lddy, c0, N, first < M);
+    stage_commit();
+  }
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
@@ -44,9 +58,19 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     const C rs = valid ? (C)rstd[r] : C(0);
     C xh[NPT][VEC], gg[NPT][VEC], dyv[NPT][VEC];
     {
-      Pack<T, VEC> px[NPT], pdy[NPT];
-      load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
-      load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      P px[NPT], pdy[NPT];
+      if (staged) {
+        const cl_i64 next = row + step, nr = next < M ? next : 0;
+        const int cur = (phase & 1) * NPT * nthr, nxt = ((phase & 1) ^ 1) * NPT * nthr;
+        stage_copy<VEC, NPT>(slots + nxt, nthr, x + nr * ldx, c0, N, next < M);
+        stage_copy<VEC, NPT>(slots + tensor + nxt, nthr, dy + nr * lddy, c0, N, next < M);
+        stage_commit_wait_prev();
+        stage_read<VEC, NPT>(slots + cur, nthr, c0, N, valid, px);
+        stage_read<VEC, NPT>(slots + tensor + cur, nthr, c0, N, valid, pdy);
+      } else {
+        load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
+        load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      }
       unpack(px, xh);
       unpack(pdy, dyv);
     }
@@ -95,7 +119,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   }
 
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
-  C* buf = reinterpret_cast<C*>(cl_smem);
+  C* buf = reinterpret_cast<C*>(cl_smem + (staged ? 2 * tensor * sizeof(P) : 0));
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     if (want_g) sum_over_block_rows<VEC>(acc_g[k], buf);

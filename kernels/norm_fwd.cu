@@ -99,6 +99,17 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     prefetch_l2<VEC, NPT>(gamma, N);
     prefetch_l2<VEC, NPT>(beta, N);
   }
+  // One-chunk rows are staged through shared memory: the block's next row is copied while this
+  // one is reduced (see stage_copy). Slots: 2 stages of NPT vectors per thread.
+  const int nthr = blockDim.x * blockDim.y;
+  const bool staged = !CHUNKED && staged_rows<Pack<T, VEC>>(2 * NPT * nthr * sizeof(Pack<T, VEC>));
+  Pack<T, VEC>* slots = reinterpret_cast<Pack<T, VEC>*>(cl_smem);
+  slots += threadIdx.y * blockDim.x + threadIdx.x;
+  const cl_i64 first = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (staged) {
+    stage_copy<VEC, NPT>(slots, nthr, x + (first < M ? first : 0) * ldx, 0, N, first < M);
+    stage_commit();
+  }
   Pack<T, VEC> p[NPT];
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
@@ -108,7 +119,16 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     const T* xr = x + (valid ? row : 0) * ldx;
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
-      load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      if (staged) {
+        const cl_i64 next = row + step;
+        const int s = phase & 1;
+        stage_copy<VEC, NPT>(slots + (s ^ 1) * NPT * nthr, nthr, x + (next < M ? next : 0) * ldx,
+                             0, N, next < M);
+        stage_commit_wait_prev();
+        stage_read<VEC, NPT>(slots + s * NPT * nthr, nthr, 0, N, valid, p);
+      } else {
+        load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      }
       chunk_stats<LN, WARP, VEC, NPT>(p, (cl_i64)c * chunk, N, phase, n, mean, m2);
     }
     const C mu = LN ? mean : C(0);

@@ -37,7 +37,7 @@ def test_every_specialization_compiles_with_hipcc(arch, warp, tmp_path):
     if hipcc is None:
         _missing("hipcc")
     try:
-        from cupyln._compile import hip_source
+        from cupyln._compile import OPTIONS, hip_source
         from cupyln._launch import all_kernel_names
     except ImportError as e:
         _missing(f"CuPy ({e})")
@@ -47,7 +47,7 @@ def test_every_specialization_compiles_with_hipcc(arch, warp, tmp_path):
     env = dict(os.environ, HIP_PLATFORM="amd")
     r = subprocess.run(
         [hipcc, "-x", "hip", f"--offload-arch={arch}", "--cuda-device-only", "-O3", "-Werror",
-         "-c", str(src), "-o", str(out)],
+         *OPTIONS, "-c", str(src), "-o", str(out)],  # the options cupyln compiles with
         capture_output=True, text=True, env=env,
     )
     assert r.returncode == 0, r.stderr[-4000:]
