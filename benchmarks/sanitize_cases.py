@@ -20,12 +20,15 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
     ("layernorm", 600, 4096, "bfloat16", None),      # medium
     ("rmsnorm", 600, 4096, "float16", "float32"),
+    ("layernorm", 300, 12288, "float16", None),      # staging over 48 KiB of shared memory
+    ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
 ]
 
 bad = 0
 for op, M, N, dt, wdt in CASES:
     for det, atomic in ((False, False), (True, False), (False, True)):
         _launch.ATOMIC_FLUSH = atomic  # both dgamma/dbeta flushes of the backward
+        _launch.clear_caches()  # no call remembered under the other flush
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
         cp.cuda.Device().synchronize()
         worst = max(rows, key=lambda r: r[1] / r[2])

@@ -51,8 +51,8 @@ class Launcher:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.smem = smem
-        if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
-            kern.max_dynamic_shared_size_bytes = smem  # an opt-in above 48 KiB per block
+        if smem > kern.max_dynamic_shared_size_bytes:  # 48 KiB less static memory by default
+            kern.max_dynamic_shared_size_bytes = smem  # opt in (the planner keeps within limits)
         self._lib = _libcuda()
         if self._lib is None:
             return
