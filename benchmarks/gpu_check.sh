@@ -3,7 +3,8 @@
 # Logs go to $OUT; a short table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
-#   experiments hostprof (benchmarks/hostprof.py) and tune (benchmarks/tune.py)
+#   experiments hostprof (benchmarks/hostprof.py), tune (benchmarks/tune.py) and ncu (Nsight
+#   Compute sections of one forward and backward, benchmarks/ncu_case.py; NCU_CASE="op M N dtype")
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -46,6 +47,9 @@ for s in $stages; do
       done ;;
     hostprof) run hostprof python3 benchmarks/hostprof.py ;;
     tune) run tune python3 benchmarks/tune.py ;;
+    ncu) run ncu ncu --clock-control none --section SpeedOfLight --section Occupancy \
+           --section WarpStateStats --section LaunchStats -k regex:norm_ \
+           python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   esac
 done

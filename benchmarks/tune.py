@@ -6,7 +6,6 @@ For each configuration the plan caches are cleared, and every shape's forward an
 timed as the benchmark does; the kernels' register and local-memory use are printed with them.
 """
 
-import itertools
 
 import cupy as cp
 import numpy as np
@@ -18,11 +17,9 @@ from cupyln.bench import cases, device_us, make_inputs
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-# STAGED: rows through shared memory by cp.async (the next row in flight) or loaded directly
-FWD = [dict(STAGED=st, FWD_NPT_MIN=n) for st, n in itertools.product((True, False), (4, 2))]
+FWD = [dict(FWD_NPT_MIN=n) for n in (4, 2)]
 # backward rows in one chunk: one vector per thread up to 1024 threads, or two up to 512
-BWD = [dict(STAGED=st, BWD_NPT=n, BWD_TPR_MAX=t) for st, (n, t) in itertools.product(
-    (True, False), ((1, 1024), (2, 512)))]
+BWD = [dict(BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((1, 1024), (2, 512))]
 
 
 def attrs(k):

@@ -36,10 +36,6 @@ BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512  # npt > 1 needs 
 # so both modes use them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
-# Rows staged through shared memory with asynchronous copies where the device has them (the
-# next row in flight while this one is reduced); False (for measurements) loads directly, as
-# the kernels do anyway on HIP and before sm_80.
-STAGED = True
 ROWSUMS_TPR = 1024
 
 
@@ -131,7 +127,9 @@ class DeviceInfo(NamedTuple):
     threads_per_sm: int
     regs_per_sm: int
     smem_per_sm: int
-    staged: bool  # rows go through shared memory by cp.async (CUDA, sm_80 on: CLN_ASYNC)
+    # rows go through shared memory by cp.async: CUDA from sm_80 on, as the kernels' CLN_ASYNC
+    # (the next row in flight while this one is reduced)
+    staged: bool
 
 
 @functools.cache
@@ -144,7 +142,7 @@ def device_info(dev_id):
         threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
-        staged=STAGED and not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 80,
+        staged=not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 80,
     )
 
 

@@ -144,19 +144,20 @@ __device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT]
 // Dynamic shared memory of every kernel (sizes come from the planner).
 extern __shared__ __align__(16) unsigned char cl_smem[];
 
-// Whether a kernel stages rows of packs P: where cp.async exists (it moves 4 to 16 bytes) and
-// the launch gave the `bytes` of dynamic shared memory the staging (and `extra`) needs; the
-// planner decides by giving them or not, and the kernel never uses more than it was given.
+// Whether kernels stage rows of packs P: where cp.async exists (it moves 4 to 16 bytes). The
+// planner gives such launches the shared memory (cupyln/_launch.py, _staging); a launch without
+// enough stops with a trap rather than write past it.
 template <typename P>
-__device__ __forceinline__ bool staged_rows(unsigned int bytes) {
+struct Staged {
+  static constexpr bool value = CLN_ASYNC && sizeof(P) >= 4;
+};
+
+__device__ __forceinline__ void require_smem(unsigned int bytes) {
 #if CLN_ASYNC
-  if constexpr (sizeof(P) >= 4) {
-    unsigned int n;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-    return n >= bytes;
-  }
+  unsigned int n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  if (n < bytes) __trap();
 #endif
-  return false;
 }
 
 template <int VEC, int NPT, typename T>
@@ -194,6 +195,30 @@ __device__ __forceinline__ void stage_commit() {
 #if CLN_ASYNC
   asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
+}
+
+// A staged vector read from shared memory at each use (volatile: the compiler may not keep an
+// earlier read in registers instead), so that a staged row holds no registers between uses.
+template <typename P>
+__device__ __forceinline__ P slot_load(const P* slot) {
+  P r;
+#if CLN_ASYNC
+  unsigned long long a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(slot));
+  unsigned int* w = reinterpret_cast<unsigned int*>(&r);
+  if constexpr (sizeof(P) == 16)
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"((unsigned)a));
+  else if constexpr (sizeof(P) == 8)
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"((unsigned)a));
+  else if constexpr (sizeof(P) == 4)
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"((unsigned)a));
+  else
+    r = *slot;
+#else
+  r = *slot;
+#endif
+  return r;
 }
 
 template <int VEC, int NPT, typename T>
