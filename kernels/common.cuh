@@ -135,10 +135,15 @@ __device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT]
 // row's vectors are in flight while this row is reduced, without holding registers. Each
 // thread copies exactly the vectors it later reads, so no barrier is needed, only its own
 // cp.async.wait_group. Slots: [stage][k][thread of the block] (stride = threads per block).
-#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Measurement switches (benchmarks/tune.py): -DCLN_NO_STAGE loads rows directly;
+// -DCLN_REREAD=1 re-reads staged vectors from shared memory at each use instead of once.
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(CLN_NO_STAGE)
 #define CLN_ASYNC 1
 #else
 #define CLN_ASYNC 0
+#endif
+#ifndef CLN_REREAD
+#define CLN_REREAD 0
 #endif
 
 // Dynamic shared memory of every kernel (sizes come from the planner).

@@ -66,13 +66,17 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
       stage_copy<VEC, NPT>(slots + nxt, nthr, x + nr * ldx, c0, N, next < M);
       stage_copy<VEC, NPT>(slots + tensor + nxt, nthr, dy + nr * lddy, c0, N, next < M);
       stage_commit_wait_prev();
+      if constexpr (!CLN_REREAD) {
+        stage_read<VEC, NPT>(cur, nthr, c0, N, valid, px);
+        stage_read<VEC, NPT>(cur + tensor, nthr, c0, N, valid, pdy);
+      }
     } else {
       load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
       load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
     }
     // Vector k of x, dy and gamma (gamma: ones where absent); zero outside the row (inb).
     const auto vecs = [&](int k, bool inb, P& a, P& b, Pack<W, VEC>& g) {
-      if constexpr (staged) {
+      if constexpr (staged && CLN_REREAD) {
         a = inb ? slot_load(cur + k * nthr) : P{};
         b = inb ? slot_load(cur + tensor + k * nthr) : P{};
       } else {

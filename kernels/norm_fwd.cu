@@ -136,7 +136,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       stage_copy<VEC, NPT>(slots + ((phase & 1) ^ 1) * NPT * nthr, nthr,
                            x + (next < M ? next : 0) * ldx, 0, N, next < M);
       stage_commit_wait_prev();
-      chunk_stats<LN, WARP, VEC, NPT>(from_slots, 0, N, phase++, n, mean, m2);
+      if constexpr (CLN_REREAD) {
+        chunk_stats<LN, WARP, VEC, NPT>(from_slots, 0, N, phase++, n, mean, m2);
+      } else {
+        stage_read<VEC, NPT>(cur, nthr, 0, N, valid, p);
+        chunk_stats<LN, WARP, VEC, NPT>(from_regs, 0, N, phase++, n, mean, m2);
+      }
     } else {
       for (int c = 0; c < nchunks; ++c) {
         load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
@@ -150,11 +155,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       rstd_out[row] = (float)rstd;
     }
     if (!valid) continue;
-    if constexpr (staged) {
+    if constexpr (staged && CLN_REREAD) {
       write_chunk<VEC, NPT>(from_slots, 0, (int)N, mu, rstd, gamma, beta, y + row * N);
     } else {
       for (int c = 0; c < nchunks; ++c) {
-        if (CHUNKED) load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
+        if constexpr (CHUNKED) load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // again
         write_chunk<VEC, NPT>(from_regs, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
                               y + row * N);
       }
