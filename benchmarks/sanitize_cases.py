@@ -20,7 +20,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
     ("layernorm", 600, 4096, "bfloat16", None),      # medium
     ("rmsnorm", 600, 4096, "float16", "float32"),
-    ("layernorm", 300, 12288, "float16", None),      # staging over 48 KiB of shared memory
+    ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
 ]
 

@@ -7,27 +7,19 @@ timed as the benchmark does; the kernels' register and local-memory use are prin
 """
 
 
-import itertools
-
 import cupy as cp
 import numpy as np
 
-from cupyln import _compile, _launch
+from cupyln import _launch
 from cupyln.api import BFLOAT16
 from cupyln.bench import cases, copy_bandwidth, device_us, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-# OPTIONS: kernel compile switches (kernels/common.cuh): rows staged through shared memory and
-# read once (default), staged and re-read at each use, or loaded directly
-_STD = ("-std=c++17",)
-VARIANTS = {"staged": _STD, "reread": _STD + ("-DCLN_REREAD=1",),
-            "direct": _STD + ("-DCLN_NO_STAGE",)}
-FWD = [dict(OPTIONS=v) for v in VARIANTS]
-# backward rows in one chunk: one vector per thread up to 1024 threads, or two up to 512
-BWD = [dict(OPTIONS=v, BWD_NPT=n, BWD_TPR_MAX=t)
-       for v, (n, t) in itertools.product(VARIANTS, ((1, 1024), (2, 512)))]
+FWD = [dict(FWD_NPT_MIN=n) for n in (4, 2)]
+# backward rows in one chunk: two vectors per thread up to 512 threads, or one up to 1024
+BWD = [dict(BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((2, 512), (1, 1024))]
 
 
 def attrs(k):
@@ -44,11 +36,7 @@ def main():
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
                 for k, v in cfg.items():
-                    if k == "OPTIONS":
-                        _compile.OPTIONS = VARIANTS[v]
-                        _compile._module_cache.cache_clear()
-                    else:
-                        setattr(_launch, k, v)
+                    setattr(_launch, k, v)
                 _launch.clear_caches()
                 fn = cases(op, x, dy, g, b, None, None)["cupyln", pass_]
                 us = device_us(fn, n_repeat=30)

@@ -24,11 +24,12 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
-# Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
-# 1024 threads (a 1024-thread block at <= 64 registers keeps 32 warps per SM; two vectors per
-# thread need ~124 registers, so 512-thread blocks and 16 warps). Longer rows take the column-tile
-# path. BWD_BLOCK: threads per block when short rows are stacked (fewer blocks flush partials).
-BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512  # npt > 1 needs tpr * rpb <= 512
+# Backward also holds dy and two partial sums per element: one vector per thread while the row
+# fits in 512 threads, else two (the kernel's launch bound is then 512 threads); longer rows take
+# the column-tile path. 512-thread blocks, so fewer blocks flush dgamma/dbeta partials. Measured
+# on the H200 (tune.py, one machine): at N = 8192, two vectors in 512 threads beat one vector in
+# 1024 threads (16384x8192 bf16 349.7 vs 363.1 us, 4096x8192 f16 110.2 vs 112.3 us).
+BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one 2N vector, or per-block
 # partials summed in a fixed order by a second kernel. On the H200 the partials were faster on
 # every benchmark shape (tune.py: 4096x1024 f16 26.6 vs 42.9 us, 1151x8192 f16 57 vs 95 us,
@@ -127,30 +128,18 @@ class DeviceInfo(NamedTuple):
     threads_per_sm: int
     regs_per_sm: int
     smem_per_sm: int
-    # rows go through shared memory by cp.async: CUDA from sm_80 on, as the kernels' CLN_ASYNC
-    # (the next row in flight while this one is reduced)
-    staged: bool
 
 
 @functools.cache
 def device_info(dev_id):
-    dev = cp.cuda.Device(dev_id)
-    a = dev.attributes
+    a = cp.cuda.Device(dev_id).attributes
     return DeviceInfo(
         sms=a.get("MultiProcessorCount", 1),
         warp=a.get("WarpSize", 32),
         threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
-        staged=not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 80,
     )
-
-
-def _staging(info, tensors, threads, npt, vec, dtype):
-    """Shared memory bytes of the kernels' row staging (two stages per tensor), as the kernels'
-    Staged<Pack> decides: only where cp.async exists and a vector is 4 bytes or more."""
-    pack = vec * dtype.itemsize
-    return 2 * tensors * npt * threads * pack if info.staged and pack >= 4 else 0
 
 
 def _blocks_per_sm(kern, threads, smem, info):
@@ -198,9 +187,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     grid = (min(_cdiv(M, g.rpb), info.sms * 64),)
     kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
     block = (g.tpr, g.rpb)
-    smem = _staging(info, 1, g.tpr * g.rpb, g.npt, vec, dtype) if g.fits else 0
-    launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, {"fwd": kern}, grid, block, smem, launch)
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, {"fwd": kern}, grid, block, 0, launch)
 
 
 @functools.cache
@@ -217,8 +205,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         threads = g.tpr * g.rpb
-        smem = _staging(info, 2, threads, g.npt, vec, dtype)
-        smem += threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
+        smem = threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         kerns = _compile.kernels(spec, "bwd")
         resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
         grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
@@ -226,9 +213,8 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
         kerns = _compile.kernels(spec, "bwd")
-        smem = _staging(info, 2, TILE_TPR, TILE_NPT, vec, dtype)
-        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, smem, info)
-        grid, block = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1)
+        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, 0, info)
+        grid, block, smem = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1), 0
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)

@@ -23,7 +23,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
          typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
          typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  typedef Pack<T, VEC> P;
+  extern __shared__ unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = C(1) / (C)N;
   const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
@@ -34,21 +34,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
 
-  // x and dy rows staged through shared memory (see stage_copy): slots [tensor][stage][k][thread]
-  const int nthr = blockDim.x * blockDim.y;
-  const int tensor = 2 * NPT * nthr;  // slots of one tensor
-  // after the staging: the block-rows sum buffer (sum_over_block_rows) when rows are stacked
-  constexpr bool staged = Staged<P>::value;
-  P* slots = reinterpret_cast<P*>(cl_smem) + threadIdx.y * blockDim.x + t;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-  const cl_i64 first = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
-  if constexpr (staged) {
-    require_smem(2 * tensor * sizeof(P) + (blockDim.y > 1 ? nthr * VEC * sizeof(C) : 0));
-    const cl_i64 f = first < M ? first : 0;
-    stage_copy<VEC, NPT>(slots, nthr, x + f * ldx, c0, N, first < M);
-    stage_copy<VEC, NPT>(slots + tensor, nthr, dy + f * lddy, c0, N, first < M);
-    stage_commit();
-  }
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
@@ -56,59 +42,34 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     const cl_i64 r = valid ? row : 0;
     const C mu = (LN && valid) ? (C)mean[r] : C(0);
     const C rs = valid ? (C)rstd[r] : C(0);
-    // The row's x and dy vectors: staged slots re-read at each use (no registers held across
-    // the reduction), or packs loaded into registers. Zero outside the row.
-    P px[NPT], pdy[NPT];
-    const P* cur = slots + (phase & 1) * NPT * nthr;
-    if constexpr (staged) {
-      const cl_i64 next = row + step, nr = next < M ? next : 0;
-      const int nxt = ((phase & 1) ^ 1) * NPT * nthr;
-      stage_copy<VEC, NPT>(slots + nxt, nthr, x + nr * ldx, c0, N, next < M);
-      stage_copy<VEC, NPT>(slots + tensor + nxt, nthr, dy + nr * lddy, c0, N, next < M);
-      stage_commit_wait_prev();
-      if constexpr (!CLN_REREAD) {
-        stage_read<VEC, NPT>(cur, nthr, c0, N, valid, px);
-        stage_read<VEC, NPT>(cur + tensor, nthr, c0, N, valid, pdy);
-      }
-    } else {
+    C xh[NPT][VEC], gg[NPT][VEC], dyv[NPT][VEC];
+    {
+      Pack<T, VEC> px[NPT], pdy[NPT];
       load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
       load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      unpack(px, xh);
+      unpack(pdy, dyv);
     }
-    // Vector k of x, dy and gamma (gamma: ones where absent); zero outside the row (inb).
-    const auto vecs = [&](int k, bool inb, P& a, P& b, Pack<W, VEC>& g) {
-      if constexpr (staged && CLN_REREAD) {
-        a = inb ? slot_load(cur + k * nthr) : P{};
-        b = inb ? slot_load(cur + tensor + k * nthr) : P{};
-      } else {
-        a = px[k];
-        b = pdy[k];
-      }
-      if (inb && gamma)
-        g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + c0 + ((cl_i64)k * blockDim.x + t) * VEC);
-    };
-    // Element j: xhat, g = gamma * dy, dy. Outside the row dy = 0, so nothing accumulates, and
-    // xhat is forced to 0 (mu may be inf/nan there).
-    const auto at = [&](const P& a, const P& b, const Pack<W, VEC>& gp, bool inb, int j, C& xh,
-                        C& g, C& d) {
-      d = elem(b, j);
-      xh = inb ? (elem(a, j) - mu) * rs : C(0);
-      g = (inb && gamma) ? (C)elem(gp, j) * d : d;
-    };
     C s[2] = {C(0), C(0)};
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
-      const bool inb = valid && c0 + ((cl_i64)k * blockDim.x + t) * VEC < N;
-      P a, b;
-      Pack<W, VEC> gp;
-      vecs(k, inb, a, b, gp);
+      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
+      const bool inb = valid && col < N;
+      if (inb && gamma) {
+        load_vec<VEC>(gamma + col, gg[k]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) gg[k][j] = C(1);
+      }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        C xh, g, d;
-        at(a, b, gp, inb, j, xh, g, d);
-        s[0] += g;
-        s[1] += g * xh;
-        acc_g[k][j] += d * xh;
-        acc_b[k][j] += d;
+        // out of bounds: dy = 0 so nothing accumulates; xhat forced to 0 (mu may be inf/nan)
+        xh[k][j] = inb ? (xh[k][j] - mu) * rs : C(0);
+        gg[k][j] *= dyv[k][j];
+        s[0] += gg[k][j];
+        s[1] += gg[k][j] * xh[k][j];
+        acc_g[k][j] += dyv[k][j] * xh[k][j];
+        acc_b[k][j] += dyv[k][j];
       }
     }
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
@@ -125,23 +86,16 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
       for (int k = 0; k < NPT; ++k) {
         const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
         if (col >= N) continue;
-        P a, b;
-        Pack<W, VEC> gp;
-        vecs(k, true, a, b, gp);
         C o[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          C xh, g, d;
-          at(a, b, gp, true, j, xh, g, d);
-          o[j] = rs * (g - mg - xh * mgx);
-        }
+        for (int j = 0; j < VEC; ++j) o[j] = rs * (gg[k][j] - mg - xh[k][j] * mgx);
         store_vec<VEC>(dxr + col, o);
       }
     }
   }
 
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
-  C* buf = reinterpret_cast<C*>(cl_smem + (staged ? 2 * tensor * sizeof(P) : 0));
+  C* buf = reinterpret_cast<C*>(cl_smem);
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     if (want_g) sum_over_block_rows<VEC>(acc_g[k], buf);

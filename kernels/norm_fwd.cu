@@ -8,25 +8,21 @@
 #include "common.cuh"
 
 
-// Statistics of one chunk, merged into the row's (n, mean, m2), identical on
+// Statistics of one chunk held (packed) in p, merged into the row's (n, mean, m2), identical on
 // every thread of the row. LayerNorm: each warp's exact two-pass statistics (sum, then centered
 // sum of squares, shuffles only), merged over the row's warps after one barrier, then across
-// chunks with Chan's formula. RMSNorm keeps only the sum of squares (in m2). src(k) gives the
-// thread's vector k of the chunk (zero outside the row): from registers, or re-read from the
-// staged shared-memory slots at each use, which keeps the row out of registers.
-template <bool LN, int WARP, int VEC, int NPT, typename C, typename Src>
-__device__ __forceinline__ void chunk_stats(const Src& src, cl_i64 c0, cl_i64 N, int phase,
-                                            C& n, C& mean, C& m2) {
+// chunks with Chan's formula. RMSNorm keeps only the sum of squares (in m2).
+template <bool LN, int WARP, int VEC, int NPT, typename T, typename C>
+__device__ __forceinline__ void chunk_stats(const Pack<T, VEC> (&p)[NPT], cl_i64 c0, cl_i64 N,
+                                            int phase, C& n, C& mean, C& m2) {
   C s[1] = {C(0)};
 #pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const auto pk = src(k);
+  for (int k = 0; k < NPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const C v = (C)elem(pk, j);
+      const C v = (C)elem(p[k], j);
       s[0] += LN ? v : v * v;
     }
-  }
   if (!LN) {
     row_allreduce<WARP>(s, phase);
     m2 += s[0];
@@ -49,10 +45,9 @@ __device__ __forceinline__ void chunk_stats(const Src& src, cl_i64 c0, cl_i64 N,
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const bool inb = c0 + ((cl_i64)k * tpr + threadIdx.x) * VEC < N;
-    const auto pk = src(k);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const C d = inb ? (C)elem(pk, j) - mw : C(0);
+      const C d = inb ? (C)elem(p[k], j) - mw : C(0);
       q[0] += d * d;
     }
   }
@@ -61,8 +56,8 @@ __device__ __forceinline__ void chunk_stats(const Src& src, cl_i64 c0, cl_i64 N,
   chan_merge(n, mean, m2, nw, mw, q[0]);
 }
 
-template <int VEC, int NPT, typename T, typename W, typename C, typename Src>
-__device__ __forceinline__ void write_chunk(const Src& src, int c0, int N, C mu,
+template <int VEC, int NPT, typename T, typename W, typename C>
+__device__ __forceinline__ void write_chunk(const Pack<T, VEC> (&p)[NPT], int c0, int N, C mu,
                                             C rstd, const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr) {
 #pragma unroll
@@ -73,11 +68,10 @@ __device__ __forceinline__ void write_chunk(const Src& src, int c0, int N, C mu,
     Pack<W, VEC> g, b;
     if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
     if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
-    const Pack<T, VEC> pk = src(k);
     C o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      C val = ((C)elem(pk, j) - mu) * rstd;
+      C val = ((C)elem(p[k], j) - mu) * rstd;
       if (gamma) val *= (C)elem(g, j);
       if (beta) val += (C)elem(b, j);
       o[j] = val;
@@ -105,18 +99,6 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     prefetch_l2<VEC, NPT>(gamma, N);
     prefetch_l2<VEC, NPT>(beta, N);
   }
-  // One-chunk rows are staged through shared memory: the block's next row is copied while this
-  // one is reduced (see stage_copy). Slots: 2 stages of NPT vectors per thread.
-  constexpr bool staged = !CHUNKED && Staged<Pack<T, VEC>>::value;
-  const int nthr = blockDim.x * blockDim.y;
-  Pack<T, VEC>* slots = reinterpret_cast<Pack<T, VEC>*>(cl_smem);
-  slots += threadIdx.y * blockDim.x + threadIdx.x;
-  const cl_i64 first = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
-  if constexpr (staged) {
-    require_smem(2 * NPT * nthr * sizeof(Pack<T, VEC>));
-    stage_copy<VEC, NPT>(slots, nthr, x + (first < M ? first : 0) * ldx, 0, N, first < M);
-    stage_commit();
-  }
   Pack<T, VEC> p[NPT];
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
@@ -124,29 +106,10 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
-    const Pack<T, VEC>* cur = slots + (phase & 1) * NPT * nthr;  // staged: this row's slots
-    const auto from_regs = [&](int k) { return p[k]; };
-    const auto from_slots = [&](int k) {
-      const cl_i64 col = ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-      return (valid && col < N) ? slot_load(cur + k * nthr) : Pack<T, VEC>{};
-    };
     C n = C(0), mean = C(0), m2 = C(0);
-    if constexpr (staged) {
-      const cl_i64 next = row + step;
-      stage_copy<VEC, NPT>(slots + ((phase & 1) ^ 1) * NPT * nthr, nthr,
-                           x + (next < M ? next : 0) * ldx, 0, N, next < M);
-      stage_commit_wait_prev();
-      if constexpr (CLN_REREAD) {
-        chunk_stats<LN, WARP, VEC, NPT>(from_slots, 0, N, phase++, n, mean, m2);
-      } else {
-        stage_read<VEC, NPT>(cur, nthr, 0, N, valid, p);
-        chunk_stats<LN, WARP, VEC, NPT>(from_regs, 0, N, phase++, n, mean, m2);
-      }
-    } else {
-      for (int c = 0; c < nchunks; ++c) {
-        load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
-        chunk_stats<LN, WARP, VEC, NPT>(from_regs, (cl_i64)c * chunk, N, phase++, n, mean, m2);
-      }
+    for (int c = 0; c < nchunks; ++c, ++phase) {
+      load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      chunk_stats<LN, WARP, VEC, NPT>(p, (cl_i64)c * chunk, N, phase, n, mean, m2);
     }
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 / (C)N + eps);
@@ -154,15 +117,9 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
-    if (!valid) continue;
-    if constexpr (staged && CLN_REREAD) {
-      write_chunk<VEC, NPT>(from_slots, 0, (int)N, mu, rstd, gamma, beta, y + row * N);
-    } else {
-      for (int c = 0; c < nchunks; ++c) {
-        if constexpr (CHUNKED) load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // again
-        write_chunk<VEC, NPT>(from_regs, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
-                              y + row * N);
-      }
+    for (int c = 0; c < nchunks && valid; ++c) {
+      if (CHUNKED) load_packs<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
+      write_chunk<VEC, NPT>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N);
     }
   }
 }
