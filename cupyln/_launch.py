@@ -18,7 +18,7 @@ import numpy as np
 from . import _compile
 from ._compile import ACC_DTYPES, Spec
 from ._driver import Launcher
-from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _span
 
 # Geometry constants (see row_geometry).
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
@@ -315,19 +315,32 @@ def _ptr(a):
     return 0 if a is None else a.data.ptr
 
 
-def _overlap(outs, ins):
-    """Whether a non-empty output touches the bytes of an input or of another output (the
-    ``out=`` rule the API validates; checked again on remembered calls)."""
-    from .api import _span
+class _Extents:
+    """Overlap check of ``out=`` arrays on remembered calls: each argument's byte range relative
+    to its pointer depends only on the signature, so it is computed on the first check and then
+    only the pointers are read."""
 
-    spans = [_span(a) for a in ins if a is not None and a.size]
-    for o in outs:
-        if o is not None and o.size:
-            lo, hi = _span(o)
-            if any(lo < ihi and ilo < hi for ilo, ihi in spans):
+    __slots__ = ("ranges",)
+
+    def __init__(self):
+        self.ranges = None
+
+    def overlap(self, outs, ins):
+        """Whether a non-empty given output touches an input or another output."""
+        arrays = [a if a is not None and a.size else None for a in (*ins, *outs)]
+        if self.ranges is None:
+            self.ranges = [None if a is None else tuple(e - a.data.ptr for e in _span(a))
+                           for a in arrays]
+        spans = []
+        for i, (a, r) in enumerate(zip(arrays, self.ranges, strict=True)):
+            if a is None:
+                continue
+            p = a.data.ptr
+            lo, hi = p + r[0], p + r[1]
+            if i >= len(ins) and any(lo < h and l_ < hi for l_, h in spans):
                 return True
             spans.append((lo, hi))
-    return False
+        return False
 
 
 class _on_device:
@@ -358,7 +371,7 @@ class _on_device:
 
 
 class _HotFwd:
-    __slots__ = ("dev", "plan", "layout", "given", "consts", "xmask", "wmask", "is_ln")
+    __slots__ = ("dev", "plan", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
@@ -367,6 +380,7 @@ class _HotFwd:
         self.layout = _Layout([p for i, p in enumerate(parts)
                                if self.given is None or not self.given[i]])
         self.consts = (ldx, M, N, eps)
+        self.ext = _Extents()
         v = plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * plan.spec.wdtype.itemsize - 1
@@ -380,7 +394,7 @@ class _HotFwd:
         mean = outs[1] if self.is_ln else None
         if (xp | y.data.ptr) & self.xmask or (gp | bp) & self.wmask:
             return None
-        if self.given and _overlap(outs, (x, gamma, beta)):
+        if self.given and self.ext.overlap(out, (x, gamma, beta)):
             return None
         ldx, M, N, eps = self.consts
         self.plan.launch["fwd"](xp, ldx, gp, bp, y.data.ptr, _ptr(mean), rstd.data.ptr, M, N, eps)
@@ -389,7 +403,7 @@ class _HotFwd:
 
 class _HotBwd:
     __slots__ = ("dev", "plan", "layout", "given", "want", "consts", "xmask", "wmask", "scratch",
-                 "atomic")
+                 "atomic", "ext")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
                  M, N):
@@ -411,6 +425,7 @@ class _HotBwd:
             new.append(((M, 2), acc))
         self.layout = _Layout(new)
         self.consts = (ldx, lddy, M, N, P)
+        self.ext = _Extents()
         v = plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * wdtype.itemsize - 1
@@ -431,7 +446,7 @@ class _HotBwd:
         dgp, dbp = _ptr(dgamma), _ptr(dbeta)
         if (dyp | xp | dxp) & self.xmask or gp & self.wmask:
             return None
-        if self.given and _overlap((dx, dgamma, dbeta), (dy, x, gamma, mean, rstd)):
+        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd)):
             return None
         ldx, lddy, M, N, P = self.consts
         mp, rp, rsp = _ptr(mean), rstd.data.ptr, _ptr(rowsums)

@@ -292,7 +292,7 @@ def _fwd_key(x, gamma, beta, eps, normalized_shape, is_ln, out):
     if type(x) is not _CUPY_ARRAY or type(eps) is not float or normalized_shape is not None:
         return None
     try:
-        outs = None if out is None else tuple(_sig(o) for o in out)
+        outs = None if out is None else tuple(map(_sig, out))
         return (is_ln, eps, _sig(x), _sig(gamma), _sig(beta), outs)
     except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
         return None
@@ -361,10 +361,11 @@ def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None, out=None):
 
 
 def _bwd_key(dy, x, gamma, mean, rstd, flags, out):
-    if type(x) is not _CUPY_ARRAY or any(type(f) is not bool for f in flags):
+    a, b, c, d, _ = flags
+    if type(x) is not _CUPY_ARRAY or not (type(a) is type(b) is type(c) is type(d) is bool):
         return None
     try:
-        outs = None if out is None else tuple(_sig(o) for o in out)
+        outs = None if out is None else tuple(map(_sig, out))
         return (flags, _sig(dy), _sig(x), _sig(gamma), _sig(mean), _sig(rstd), outs)
     except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
         return None
