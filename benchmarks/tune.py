@@ -7,19 +7,31 @@ timed as the benchmark does; the kernels' register and local-memory use are prin
 """
 
 
+import os
+
 import cupy as cp
 import numpy as np
 
-from cupyln import _launch
+from cupyln import _compile, _launch
 from cupyln.api import BFLOAT16
 from cupyln.bench import cases, copy_bandwidth, device_us, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
+          ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-FWD = [dict(FWD_NPT_MIN=n) for n in (4, 2)]
+# Kernel sources compared on one machine: the current one, and (CUPYLN_TUNE_V5_SOURCE: a file
+# holding all kernels as one translation unit) an earlier version.
+VARIANTS = {"current": ("-std=c++17",)}
+V5 = os.environ.get("CUPYLN_TUNE_V5_SOURCE")
+if V5:
+    VARIANTS["v5"] = ("-std=c++17",)
+FWD = [dict(OPTIONS=v) for v in VARIANTS]
 # backward rows in one chunk: two vectors per thread up to 512 threads, or one up to 1024
-BWD = [dict(BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((2, 512), (1, 1024))]
+BWD = [dict(OPTIONS="current", BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((2, 512), (1, 1024))]
+
+
+SOURCE = _compile.source
 
 
 def attrs(k):
@@ -36,7 +48,12 @@ def main():
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
                 for k, v in cfg.items():
-                    setattr(_launch, k, v)
+                    if k == "OPTIONS":
+                        _compile.OPTIONS = VARIANTS[v]
+                        _compile.source = (lambda: open(V5).read()) if v == "v5" else SOURCE
+                        _compile._module_cache.cache_clear()
+                    else:
+                        setattr(_launch, k, v)
                 _launch.clear_caches()
                 fn = cases(op, x, dy, g, b, None, None)["cupyln", pass_]
                 us = device_us(fn, n_repeat=30)
