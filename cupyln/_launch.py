@@ -465,12 +465,12 @@ class _HotBwd:
         return dx, dgamma, dbeta
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)
 def _hot_fwd(*key):
     return _HotFwd(*key)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)
 def _hot_bwd(*key):
     return _HotBwd(*key)
 
