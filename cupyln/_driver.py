@@ -33,6 +33,15 @@ def _libcuda():
         return None
 
 
+def param_layout(kinds):
+    """struct format of the argument buffer (C alignment) and each argument's byte offset: the
+    size of the arguments before it, padded to its own alignment."""
+    fmt = "@" + "".join(_STRUCT[k] for k in kinds)
+    offs = [struct.calcsize(fmt[: i + 2]) - struct.calcsize("@" + _STRUCT[k])
+            for i, k in enumerate(kinds)]
+    return fmt, offs
+
+
 def _error_name(lib, rc):
     name = ctypes.c_char_p()
     lib.cuGetErrorName(ctypes.c_int(rc), ctypes.byref(name))
@@ -61,13 +70,10 @@ class Launcher:
         self._fn = self._lib.cuLaunchKernel
         self._dims = (ctypes.c_void_p(kern.kernel.ptr),
                       *(ctypes.c_uint(d) for d in self.grid + self.block + (smem,)))
-        fmt = "@" + "".join(_STRUCT[k] for k in kinds)
+        fmt, offs = param_layout(kinds)
         self._pack = struct.Struct(fmt).pack_into
         self._buf = ctypes.create_string_buffer(max(struct.calcsize(fmt), 8))
         base = ctypes.addressof(self._buf)
-        # offset of argument i: the size of the arguments before it, padded to its alignment
-        offs = [struct.calcsize(fmt[: i + 2]) - struct.calcsize("@" + _STRUCT[k])
-                for i, k in enumerate(kinds)]
         self._params = (ctypes.c_void_p * len(kinds))(*(base + o for o in offs))
         # One buffer per launcher: the lock keeps two threads from filling it at once.
         self._lock = threading.Lock()

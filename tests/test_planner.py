@@ -77,3 +77,22 @@ def test_vector_width_divides_sizes_and_alignments(dtype, N, offset):
     assert v * dtype.itemsize <= 16 and N % v == 0 and ptr % (v * dtype.itemsize) == 0
     if N % (16 // dtype.itemsize) == 0 and ptr % 16 == 0:
         assert v == 16 // dtype.itemsize
+
+
+@given(st.text(alphabet="pifd", min_size=1, max_size=20))
+def test_launch_argument_buffer_follows_c_layout(kinds):
+    import struct
+
+    from cupyln._driver import _STRUCT, param_layout
+
+    fmt, offs = param_layout(kinds)
+    sizes = [struct.calcsize(_STRUCT[k]) for k in kinds]
+    assert offs[0] == 0
+    for o, n in zip(offs, sizes, strict=True):
+        assert o % n == 0  # each argument at its natural alignment
+    for (o, n), o2 in zip(zip(offs, sizes, strict=True), offs[1:], strict=False):
+        assert o + n <= o2 < o + n + 8  # no overlap, padding only
+    assert struct.calcsize(fmt) == offs[-1] + sizes[-1]
+    packed = struct.pack(fmt, *range(1, len(kinds) + 1))  # each value lands at its offset
+    for i, (k, o) in enumerate(zip(kinds, offs, strict=True)):
+        assert struct.unpack_from("@" + _STRUCT[k], packed, o)[0] == i + 1
