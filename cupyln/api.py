@@ -258,9 +258,6 @@ def _param_dtype(gamma, x_dtype):
     return x_dtype if gamma is None else gamma.dtype
 
 
-# ----------------------------------------------------------------------------- forward
-
-
 # ----------------------------------------------------------------------------- hot calls
 #
 # A CuPy call whose signature (types, shapes, strides, dtypes, devices, eps and flags, the same
@@ -276,6 +273,21 @@ def _sig(a):
     return None if a is None else (type(a), a.shape, a.strides, a.dtype, a.data.device_id)
 
 
+def _key(head, arrays, out):
+    """The signature of a CuPy call, or None (not a candidate: validation takes it)."""
+    try:
+        outs = None if out is None else tuple(map(_sig, out))
+        return (head, *map(_sig, arrays), outs)
+    except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
+        return None
+
+
+def _hot_call(key, *args):
+    """The remembered launch's result for this signature, or None (take the full path)."""
+    hot = _HOT.get(key) if key is not None else None
+    return None if hot is None else hot(*args)
+
+
 def _remember(key):
     if key is None:
         return None
@@ -288,21 +300,14 @@ def _remember(key):
     return put
 
 
-def _fwd_key(x, gamma, beta, eps, normalized_shape, is_ln, out):
-    if type(x) is not _CUPY_ARRAY or type(eps) is not float or normalized_shape is not None:
-        return None
-    try:
-        outs = None if out is None else tuple(map(_sig, out))
-        return (is_ln, eps, _sig(x), _sig(gamma), _sig(beta), outs)
-    except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
-        return None
+# ----------------------------------------------------------------------------- forward
 
 
 def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
-    key = _fwd_key(x, gamma, beta, eps, normalized_shape, is_ln, out)
-    hot = _HOT.get(key) if key is not None else None
-    if hot is not None:
-        res = hot(x, gamma, beta, out)
+    key = None
+    if type(x) is _CUPY_ARRAY and type(eps) is float and normalized_shape is None:
+        key = _key((is_ln, eps), (x, gamma, beta), out)
+        res = _hot_call(key, x, gamma, beta, out)
         if res is not None:
             return res
     if x is None:
@@ -360,23 +365,14 @@ def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None, out=None):
 # ----------------------------------------------------------------------------- backward
 
 
-def _bwd_key(dy, x, gamma, mean, rstd, flags, out):
-    a, b, c, d, _ = flags
-    if type(x) is not _CUPY_ARRAY or not (type(a) is type(b) is type(c) is type(d) is bool):
-        return None
-    try:
-        outs = None if out is None else tuple(map(_sig, out))
-        return (flags, _sig(dy), _sig(x), _sig(gamma), _sig(mean), _sig(rstd), outs)
-    except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
-        return None
-
-
 def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out):
-    flags = (need_dx, need_dgamma, need_dbeta, deterministic, mean is None)
-    key = _bwd_key(dy, x, gamma, mean, rstd, flags, out)
-    hot = _HOT.get(key) if key is not None else None
-    if hot is not None:
-        res = hot(dy, x, gamma, mean, rstd, out)
+    key = None
+    flags = (need_dx, need_dgamma, need_dbeta, deterministic)
+    if type(x) is _CUPY_ARRAY and type(need_dx) is type(need_dgamma) is type(need_dbeta) is type(
+        deterministic
+    ) is bool:
+        key = _key(flags, (dy, x, gamma, mean, rstd), out)
+        res = _hot_call(key, dy, x, gamma, mean, rstd, out)
         if res is not None:
             return res
     stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
