@@ -1,11 +1,12 @@
-"""Geometry experiments: time cupyln under other values of the planner's constants.
+"""Variants timed on one machine: the planner's geometry constants, and the kernel source.
 
     python benchmarks/tune.py
+    CUPYLN_TUNE_V5_SOURCE=v5.cu python benchmarks/tune.py   # also an earlier kernel source
 
-For each configuration the plan caches are cleared, and every shape's forward and backward are
-timed as the benchmark does; the kernels' register and local-memory use are printed with them.
+For each configuration the compile and plan caches are cleared, and every shape's forward and
+backward are timed as the benchmark does; the kernels' register and local-memory use are
+printed with them, and the copy bandwidth of the same run first.
 """
-
 
 import os
 
@@ -20,18 +21,15 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
           ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-# Kernel sources compared on one machine: the current one, and (CUPYLN_TUNE_V5_SOURCE: a file
-# holding all kernels as one translation unit) an earlier version.
-VARIANTS = {"current": ("-std=c++17",)}
+# Kernel sources: the current one, and (CUPYLN_TUNE_V5_SOURCE: a file holding all kernels as one
+# translation unit, as _compile.source() makes it) an earlier version.
+SOURCES = {"current": _compile.source}
 V5 = os.environ.get("CUPYLN_TUNE_V5_SOURCE")
 if V5:
-    VARIANTS["v5"] = ("-std=c++17",)
-FWD = [dict(OPTIONS=v) for v in VARIANTS]
+    SOURCES["v5"] = lambda: open(V5).read()
+FWD = [dict(SOURCE=v) for v in SOURCES]
 # backward rows in one chunk: two vectors per thread up to 512 threads, or one up to 1024
-BWD = [dict(OPTIONS="current", BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((2, 512), (1, 1024))]
-
-
-SOURCE = _compile.source
+BWD = [dict(SOURCE="current", BWD_NPT=n, BWD_TPR_MAX=t) for n, t in ((2, 512), (1, 1024))]
 
 
 def attrs(k):
@@ -48,9 +46,8 @@ def main():
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
                 for k, v in cfg.items():
-                    if k == "OPTIONS":
-                        _compile.OPTIONS = VARIANTS[v]
-                        _compile.source = (lambda: open(V5).read()) if v == "v5" else SOURCE
+                    if k == "SOURCE":
+                        _compile.source = SOURCES[v]
                         _compile._module_cache.cache_clear()
                     else:
                         setattr(_launch, k, v)
