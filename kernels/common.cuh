@@ -102,6 +102,19 @@ __device__ __forceinline__ float elem(const Pack<cl_bf16, V>& p, int j) {
   }
 }
 
+// V values converted to the accumulation type (a row kept unpacked in registers).
+template <typename C, int V> struct Vals { C v[V]; };
+template <typename C, int V>
+__device__ __forceinline__ C elem(const Vals<C, V>& p, int j) { return p.v[j]; }
+
+template <typename T, int V>
+__device__ __forceinline__ void to_row(const Pack<T, V>& raw, Pack<T, V>& r) { r = raw; }
+template <typename T, int V, typename C>
+__device__ __forceinline__ void to_row(const Pack<T, V>& raw, Vals<C, V>& r) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) r.v[j] = (C)to_acc(raw.v[j]);
+}
+
 template <int V, typename T, typename C>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
   const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
@@ -110,7 +123,7 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
 }
 
 // Raw loads of NPT vectors of a row (zero outside [0, N) and for invalid rows): kept as packed
-// storage while the loads are in flight, so prefetching the next row costs few registers.
+// storage while the loads are in flight.
 template <int VEC, int NPT, typename T>
 __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
                                            bool valid, Pack<T, VEC> (&p)[NPT]) {
@@ -128,20 +141,6 @@ __device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT]
   for (int k = 0; k < NPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) v[k][j] = (C)to_acc(p[k].v[j]);
-}
-
-// Ask L2 for the vectors this thread will read from a parameter vector of a one-chunk row (no
-// registers held; a no-op on HIP, where the loads simply go to memory when issued).
-template <int VEC, int NPT, typename W>
-__device__ __forceinline__ void prefetch_l2(const W* __restrict__ p, cl_i64 N) {
-#ifndef CLN_HIP
-  if (p == nullptr || threadIdx.y != 0) return;
-#pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const cl_i64 col = ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-    if (col < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + col));
-  }
-#endif
 }
 
 // Two floats as one 32-bit word of two 16-bit values (lo first in memory); one instruction.
@@ -220,45 +219,6 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
       for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
     }
   }
-}
-
-// Count, mean and M2 (sum of squared deviations) of a row from its warps' own exact two-pass
-// statistics (n_w, mean_w, m2_w), each computed with shuffles alone: mean = sum(n_w mean_w) / n,
-// m2 = sum(m2_w + n_w (mean_w - mean)^2), a sum of non-negative terms (never E[x^2] - E[x]^2).
-// One barrier per call (`phase` as in row_allreduce). Rows within one warp return their input.
-template <int WARP, typename C>
-__device__ __forceinline__ void merge_warp_stats(C& n, C& mean, C& m2, int phase) {
-  __shared__ C st[2][3][1024 / WARP];
-  const int tpr = blockDim.x;
-  if (tpr <= WARP) return;  // uniform over the block
-  const int tid = threadIdx.y * tpr + threadIdx.x;
-  const int warp = tid / WARP, lane = tid % WARP;
-  const int nw = tpr / WARP;
-  if (lane == 0) {
-    st[phase & 1][0][warp] = n;
-    st[phase & 1][1][warp] = mean;
-    st[phase & 1][2][warp] = m2;
-  }
-  __syncthreads();
-  // Lane L takes warp (L mod width): every group of `width` lanes holds all of the row's warps,
-  // so the butterflies give every lane the same totals.
-  int width = 1;
-  while (width < nw) width <<= 1;
-  const int i = lane & (width - 1);
-  const bool has = i < nw;
-  const int w = threadIdx.y * nw + i;
-  const C ni = has ? st[phase & 1][0][w] : C(0), mi = has ? st[phase & 1][1][w] : C(0);
-  C a[2] = {ni, ni * mi};
-  for (int o = width >> 1; o > 0; o >>= 1) {
-    a[0] += shfl_xor(a[0], o);
-    a[1] += shfl_xor(a[1], o);
-  }
-  n = a[0];
-  mean = n > C(0) ? a[1] / n : C(0);
-  const C d = mi - mean;
-  C q[1] = {has ? st[phase & 1][2][w] + ni * d * d : C(0)};
-  for (int o = width >> 1; o > 0; o >>= 1) q[0] += shfl_xor(q[0], o);
-  m2 = q[0];
 }
 
 // (count, mean, M2) statistics merged with Chan et al.'s pairwise formula: numerically stable,
