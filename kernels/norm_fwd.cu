@@ -48,21 +48,6 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
   chan_merge(n, mean, m2, cnt, cm, q[0]);
 }
 
-// A row's vectors as kept in registers: bfloat16 stays packed (each use converts with a shift or
-// a mask), other types are converted once (float16 conversions are not free: measured slower
-// packed, 4096x8192 f16 51.1 vs 42.7 us).
-template <typename T, int VEC> struct RowVec { typedef Vals<typename Acc<T>::type, VEC> type; };
-template <int VEC> struct RowVec<cl_bf16, VEC> { typedef Pack<cl_bf16, VEC> type; };
-
-template <int VEC, int NPT, typename T, typename R>
-__device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
-                                         bool valid, R (&p)[NPT]) {
-  Pack<T, VEC> raw[NPT];
-  load_packs<VEC, NPT>(row, c0, N, valid, raw);
-#pragma unroll
-  for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
-}
-
 template <int VEC, int NPT, typename T, typename W, typename C, typename R>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
                                             C rstd, const W* __restrict__ gamma,
