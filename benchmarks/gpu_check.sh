@@ -48,7 +48,8 @@ for s in $stages; do
     hostprof) run hostprof python3 benchmarks/hostprof.py ;;
     tune) run tune python3 benchmarks/tune.py ;;
     ncu) run ncu ncu --clock-control none --section SpeedOfLight --section Occupancy \
-           --section WarpStateStats --section LaunchStats -k regex:norm_ \
+           --section WarpStateStats --section LaunchStats --section SchedulerStats \
+           --section InstructionStats -k regex:norm_ \
            python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   esac
@@ -56,5 +57,8 @@ done
 mkdir -p "$OUT/cache" && tar czf "$OUT/cache/cache.tgz" -C "$CUPY_CACHE_DIR" . 2>/dev/null
 echo; echo "==== failures (first lines) ===="
 grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
+[ -f "$OUT/tune.log" ] && { echo; echo "==== tune ===="; cat "$OUT/tune.log"; }
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
+# At most 8 files come back from the device tool: every log goes into one archive.
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)

@@ -1,7 +1,7 @@
 """Variants timed on one machine: the planner's geometry constants, and the kernel source.
 
     python benchmarks/tune.py
-    CUPYLN_TUNE_OLD_SOURCE=old.cu python benchmarks/tune.py   # also an earlier kernel source
+    CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tune.py   # also other kernel sources
 
 For each configuration the compile and plan caches are cleared, and every shape's forward and
 backward are timed as the benchmark does; the kernels' register and local-memory use are
@@ -21,15 +21,15 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
           ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
-# Kernel sources: the current one, and (CUPYLN_TUNE_OLD_SOURCE: a file holding all kernels as one
-# translation unit, as _compile.source() makes it) an earlier version.
+# Kernel sources: the current one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
+# holding all kernels as one translation unit, as _compile.source() makes it).
 SOURCES = {"current": _compile.source}
-OLD = os.environ.get("CUPYLN_TUNE_OLD_SOURCE")
-if OLD:
-    SOURCES["old"] = lambda: open(OLD).read()
-FWD = [dict(SOURCE="current")]
-# backward rows in one chunk: two vectors per thread up to 512 threads, or one up to 1024
-BWD = [dict(SOURCE=s, BWD_NPT=n, BWD_TPR_MAX=t) for s in SOURCES for n, t in ((2, 512), (1, 1024))]
+for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
+    name, path = item.split("=", 1)
+    SOURCES[name] = lambda path=path: open(path).read()
+# Each configuration: planner constants of _launch to set, and the kernel source.
+FWD = [dict(SOURCE=s) for s in SOURCES]
+BWD = [dict(SOURCE=s) for s in SOURCES]
 
 
 def attrs(k):

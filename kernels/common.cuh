@@ -84,21 +84,41 @@ __device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
 // ---------------------------------------------------------------------------------------------
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The
 // planner picks V so that every pointer and row stride it is used with is aligned to it.
-template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+// 16-bit pairs are held as 32-bit words: registers are never split into 16-bit halves (which
+// cost a byte-permute instruction per element, seen in the backward's SASS).
+template <typename T, int V, bool WORDS = (sizeof(T) == 2 && V % 2 == 0)> struct Pack;
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack<T, V, false> { T v[V]; };
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack<T, V, true> {
+  unsigned int w[V / 2];
+};
 
-// Element j of a pack, converted to the accumulation type. bfloat16 pairs are taken from the
-// 32-bit word holding them (a shift or a mask), which keeps packed rows packed in registers.
-template <typename T, int V>
-__device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V>& p, int j) {
-  return (typename Acc<T>::type)to_acc(p.v[j]);
+// The float16 in half `hi` of a word (one conversion instruction on CUDA).
+__device__ __forceinline__ float half_of(unsigned int w, bool hi) {
+#ifdef CLN_HIP
+  cl_half h;
+  h.bits = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
+  return to_acc(h);
+#else
+  float f;
+  if (hi)
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(w));
+  else
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(w));
+  return f;
+#endif
 }
-template <int V>
-__device__ __forceinline__ float elem(const Pack<cl_bf16, V>& p, int j) {
-  if constexpr (V == 1) {
-    return to_acc(p.v[0]);
+
+// Element j of a pack, converted to the accumulation type (bfloat16: a shift or a mask).
+template <typename T, int V, bool WORDS>
+__device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V, WORDS>& p, int j) {
+  if constexpr (!WORDS) {
+    return (typename Acc<T>::type)to_acc(p.v[j]);
   } else {
-    const unsigned int w = reinterpret_cast<const unsigned int*>(p.v)[j >> 1];
-    return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+    const unsigned int w = p.w[j >> 1];
+    if constexpr (Store<T>::is_bf16)
+      return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+    else
+      return half_of(w, j & 1);
   }
 }
 
@@ -112,14 +132,14 @@ __device__ __forceinline__ void to_row(const Pack<T, V>& raw, Pack<T, V>& r) { r
 template <typename T, int V, typename C>
 __device__ __forceinline__ void to_row(const Pack<T, V>& raw, Vals<C, V>& r) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) r.v[j] = (C)to_acc(raw.v[j]);
+  for (int j = 0; j < V; ++j) r.v[j] = (C)elem(raw, j);
 }
 
 template <int V, typename T, typename C>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
   const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
 #pragma unroll
-  for (int j = 0; j < V; ++j) out[j] = (C)to_acc(pk.v[j]);
+  for (int j = 0; j < V; ++j) out[j] = (C)elem(pk, j);
 }
 
 // Raw loads of NPT vectors of a row (zero outside [0, N) and for invalid rows): kept as packed
@@ -130,30 +150,18 @@ __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0,
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-    p[k] = (valid && col < N) ? *reinterpret_cast<const Pack<T, VEC>*>(row + col)
-                              : Pack<T, VEC>{};
+    p[k] = Pack<T, VEC>{};
+    if (valid && col < N) p[k] = *reinterpret_cast<const Pack<T, VEC>*>(row + col);
   }
 }
 
-// Values the compiler must treat as new: recomputing from them after a reduction costs a few
-// instructions, while letting it keep the results computed before (common subexpressions) costs
-// registers across the reduction. No instruction is emitted (plain values on HIP).
-template <typename C> __device__ __forceinline__ void opaque(C& v) {
-#ifndef CLN_HIP
-  if constexpr (sizeof(C) == 8) asm volatile("" : "+d"(v));
-  else asm volatile("" : "+f"(v));
-#endif
-}
-template <typename T, int V> __device__ __forceinline__ void opaque(Pack<T, V>& p) {
-#ifndef CLN_HIP
-  if constexpr (sizeof(p) % 4 == 0) {
-    unsigned int* w = reinterpret_cast<unsigned int*>(p.v);
+template <int VEC, int NPT, typename T, typename C>
+__device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT][VEC]) {
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(p) / 4); ++i) asm volatile("" : "+r"(w[i]));
-  }
-#endif
+  for (int k = 0; k < NPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v[k][j] = (C)elem(p[k], j);
 }
-template <typename C, int V> __device__ __forceinline__ void opaque(Vals<C, V>&) {}
 
 // A row's vectors as kept in registers: bfloat16 stays packed (each use converts with a shift or
 // a mask), other types are converted once (float16 conversions are not free: measured slower
@@ -189,13 +197,20 @@ template <int V, typename T, typename C>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   Pack<T, V> pk;
   if constexpr (sizeof(T) == 2 && V % 2 == 0) {  // 16-bit pairs: half the conversions
-    unsigned int* w = reinterpret_cast<unsigned int*>(pk.v);
 #pragma unroll
-    for (int j = 0; j < V; j += 2) w[j / 2] = pack2<T>((float)in[j], (float)in[j + 1]);
+    for (int j = 0; j < V; j += 2) pk.w[j / 2] = pack2<T>((float)in[j], (float)in[j + 1]);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
   }
+#ifndef CLN_HIP
+  if constexpr (sizeof(pk) == 16) {  // one 16-byte store: NVVM split the backward's in four
+    const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk);
+    asm volatile("{.reg .u64 g;\n cvta.to.global.u64 g, %0;\n st.global.v4.b32 [g], {%1, %2, %3, %4};}"
+                 ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+    return;
+  }
+#endif
   *reinterpret_cast<Pack<T, V>*>(p) = pk;
 }
 

@@ -13,27 +13,11 @@
 // (gridDim.y > 1) with those sums given.
 #include "common.cuh"
 
-// The raw loads of one row: its vectors of x and dy from the block's first column (packed as
-// stored; zero past `rem` columns and for rows past M) and its statistics.
-template <bool LN, int VEC, int NPT, typename T>
-__device__ __forceinline__ void load_bwd_row(const T* __restrict__ dy, cl_i64 lddy,
-                                             const T* __restrict__ x, cl_i64 ldx,
-                                             const float* __restrict__ mean,
-                                             const float* __restrict__ rstd, cl_i64 row,
-                                             cl_i64 M, int rem, Pack<T, VEC> (&px)[NPT],
-                                             Pack<T, VEC> (&pdy)[NPT], float& mu, float& rs) {
-  const bool valid = row < M;
-  const cl_i64 r = valid ? row : 0;
-  load_packs<VEC, NPT>(x + r * ldx, 0, rem, valid, px);
-  load_packs<VEC, NPT>(dy + r * lddy, 0, rem, valid, pdy);
-  mu = (LN && valid) ? mean[r] : 0.f;
-  rs = valid ? rstd[r] : 0.f;
-}
-
-// One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128. With one
-// vector per thread the next row's loads are issued before this row is reduced (PREFETCH), so
-// two rows per thread are in flight; rows are held as loaded (bfloat16 packed, see RowVec) and
-// xhat and dy * gamma are recomputed for dx rather than kept.
+// One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128. The
+// per-element work is kept to the arithmetic itself (SASS of the H200 build: 44 instructions per
+// element before): 16-bit rows converted from 32-bit words, no per-element bounds selects (an
+// out-of-range vector loads as zeros: dy = 0 and gamma = 0 there, so it adds nothing), gamma
+// held across rows when a thread has one vector, dx by two fused multiply-adds.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
@@ -43,99 +27,81 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
          typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
          typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  typedef typename RowVec<T, VEC>::type R;
-  constexpr bool PREFETCH = NPT == 1;
+  // gamma held in registers across rows when it is one 16-byte vector per thread (more spills)
+  constexpr bool HOLD_GAMMA = NPT == 1 && sizeof(W) * VEC <= 16;
   extern __shared__ unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = C(1) / (C)N;
   const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
-  const cl_i64 tile = (cl_i64)blockDim.x * NPT * VEC;
-  const int rem = (int)(N - c0 < tile ? N - c0 : tile);  // columns of this tile
-  const T* __restrict__ xc = x + c0;  // column offsets below are relative to the tile
-  const T* __restrict__ dyc = dy + c0;
-  const W* __restrict__ gc = gamma ? gamma + c0 : gamma;
   const bool want_g = dgamma != nullptr, want_b = dbeta != nullptr;
   C acc_g[NPT][VEC], acc_b[NPT][VEC];
 #pragma unroll
   for (int k = 0; k < NPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
+  Pack<W, VEC> gp[NPT];  // gamma of this thread's columns (zero past N)
+  if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
 
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-  Pack<T, VEC> px[NPT], pdy[NPT];
-  float fmu, frs;
-  if (PREFETCH)
-    load_bwd_row<LN, VEC, NPT>(dyc, lddy, xc, ldx, mean, rstd,
-                               (cl_i64)blockIdx.x * blockDim.y + threadIdx.y, M, rem, px, pdy,
-                               fmu, frs);
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
-    if (!PREFETCH)
-      load_bwd_row<LN, VEC, NPT>(dyc, lddy, xc, ldx, mean, rstd, row, M, rem, px, pdy, fmu, frs);
-    R xr[NPT], dr[NPT];
+    const cl_i64 r = valid ? row : 0;
+    const C mu = (LN && valid) ? (C)mean[r] : C(0);
+    const C rs = valid ? (C)rstd[r] : C(0);
+    // Rows past M load as zeros with mu = rs = 0: xhat = 0, nothing accumulates.
+    C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
+    {
+      Pack<T, VEC> px[NPT], pdy[NPT];
+      load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
+      load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
 #pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      to_row(px[k], xr[k]);
-      to_row(pdy[k], dr[k]);
-    }
-    const C mu = (C)fmu, rs = (C)frs;
-    if (PREFETCH)  // the next row's loads fly while this one is reduced
-      load_bwd_row<LN, VEC, NPT>(dyc, lddy, xc, ldx, mean, rstd, row + step, M, rem, px, pdy,
-                                 fmu, frs);
-    C s[2] = {C(0), C(0)};
+      for (int k = 0; k < NPT; ++k) {
+        // x loads as 0 past N: with mean 0 there xhat stays 0 (x - mean could overflow)
+        const C mk = c0 + ((cl_i64)k * blockDim.x + t) * VEC < N ? mu : C(0);
 #pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      const int col = (k * (int)blockDim.x + t) * VEC;
-      const bool inb = valid && col < rem;
-      Pack<W, VEC> gp;
-      if (gamma && inb) gp = *reinterpret_cast<const Pack<W, VEC>*>(gc + col);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        // out of bounds: dy = 0 so nothing accumulates; xhat forced to 0 (mu may be inf/nan)
-        const C xh = inb ? ((C)elem(xr[k], j) - mu) * rs : C(0);
-        const C d = (C)elem(dr[k], j);
-        const C g = (gamma && inb) ? (C)elem(gp, j) * d : d;
-        s[0] += g;
-        s[1] += g * xh;
-        acc_g[k][j] += d * xh;
-        acc_b[k][j] += d;
+        for (int j = 0; j < VEC; ++j) {
+          g[k][j] = (C)elem(pdy[k], j);
+          xh[k][j] = ((C)elem(px[k], j) - mk) * rs;
+          acc_g[k][j] += g[k][j] * xh[k][j];
+          acc_b[k][j] += g[k][j];
+        }
       }
     }
+    if (gamma) {
+      if (!HOLD_GAMMA) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
+#pragma unroll
+      for (int k = 0; k < NPT; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[k][j] *= (C)elem(gp[k], j);
+    }
+    C s[2] = {C(0), C(0)};
+#pragma unroll
+    for (int k = 0; k < NPT; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        s[0] += g[k][j];
+        s[1] += g[k][j] * xh[k][j];
+      }
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
-      s[0] = valid ? rowsums[2 * row] : C(0);
-      s[1] = valid ? rowsums[2 * row + 1] : C(0);
+      s[0] = valid ? rowsums[2 * r] : C(0);
+      s[1] = valid ? rowsums[2 * r + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
     }
     if (dx && valid) {
-      // recompute xhat and dy * gamma from the row as held (see opaque)
-      C mu2 = mu, rs2 = rs;
-      opaque(mu2);
-      opaque(rs2);
+      // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
+      const C a = rs * (s[1] * inv_n);
+      const C b = LN ? rs * (s[0] * inv_n) : C(0);
+      T* dxr = dx + row * N;
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
-        opaque(xr[k]);
-        opaque(dr[k]);
-      }
-      const C mg = LN ? s[0] * inv_n : C(0);
-      const C mgx = s[1] * inv_n;
-      T* dxr = dx + row * N + c0;
-#pragma unroll
-      for (int k = 0; k < NPT; ++k) {
-        const int col = (k * (int)blockDim.x + t) * VEC;
-        if (col >= rem) continue;
-        Pack<W, VEC> gp;  // read again (L1) rather than held across the reduction
-        if (gamma) gp = *reinterpret_cast<const Pack<W, VEC>*>(gc + col);
+        const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
+        if (col >= N) continue;
         C o[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const C xh = ((C)elem(xr[k], j) - mu2) * rs2;
-          const C d = (C)elem(dr[k], j);
-          const C g = gamma ? (C)elem(gp, j) * d : d;
-          o[j] = rs2 * (g - mg - xh * mgx);
-        }
+        for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
         store_vec<VEC>(dxr + col, o);
       }
     }
