@@ -29,7 +29,8 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     SOURCES[name] = lambda path=path: open(path).read()
 # Each configuration: planner constants of _launch to set, and the kernel source.
 FWD = [dict(SOURCE=s) for s in SOURCES]
-BWD = [dict(SOURCE=s) for s in SOURCES]
+# backward: also one vector per thread in up to 1024 threads (rows of N = 8192 16-bit values)
+BWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", BWD_NPT=1, BWD_TPR_MAX=1024)]
 
 
 def attrs(k):

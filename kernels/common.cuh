@@ -84,13 +84,7 @@ __device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
 // ---------------------------------------------------------------------------------------------
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The
 // planner picks V so that every pointer and row stride it is used with is aligned to it.
-// 16-bit pairs are held as 32-bit words: registers are never split into 16-bit halves (which
-// cost a byte-permute instruction per element, seen in the backward's SASS).
-template <typename T, int V, bool WORDS = (sizeof(T) == 2 && V % 2 == 0)> struct Pack;
-template <typename T, int V> struct alignas(sizeof(T) * V) Pack<T, V, false> { T v[V]; };
-template <typename T, int V> struct alignas(sizeof(T) * V) Pack<T, V, true> {
-  unsigned int w[V / 2];
-};
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
 
 // The float16 in half `hi` of a word (one conversion instruction on CUDA).
 __device__ __forceinline__ float half_of(unsigned int w, bool hi) {
@@ -108,17 +102,19 @@ __device__ __forceinline__ float half_of(unsigned int w, bool hi) {
 #endif
 }
 
-// Element j of a pack, converted to the accumulation type (bfloat16: a shift or a mask).
-template <typename T, int V, bool WORDS>
-__device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V, WORDS>& p, int j) {
-  if constexpr (!WORDS) {
-    return (typename Acc<T>::type)to_acc(p.v[j]);
-  } else {
-    const unsigned int w = p.w[j >> 1];
+// Element j of a pack, converted to the accumulation type. 16-bit pairs are read as the 32-bit
+// word holding them (bfloat16: a shift or a mask; float16: one conversion), never as 16-bit
+// halves: those cost a byte-permute instruction each (seen in the backward's SASS).
+template <typename T, int V>
+__device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V>& p, int j) {
+  if constexpr (sizeof(T) == 2 && V % 2 == 0) {
+    const unsigned int w = reinterpret_cast<const unsigned int*>(p.v)[j >> 1];
     if constexpr (Store<T>::is_bf16)
       return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
     else
       return half_of(w, j & 1);
+  } else {
+    return (typename Acc<T>::type)to_acc(p.v[j]);
   }
 }
 
@@ -198,7 +194,9 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   Pack<T, V> pk;
   if constexpr (sizeof(T) == 2 && V % 2 == 0) {  // 16-bit pairs: half the conversions
 #pragma unroll
-    for (int j = 0; j < V; j += 2) pk.w[j / 2] = pack2<T>((float)in[j], (float)in[j + 1]);
+    unsigned int* w = reinterpret_cast<unsigned int*>(pk.v);
+#pragma unroll
+    for (int j = 0; j < V; j += 2) w[j / 2] = pack2<T>((float)in[j], (float)in[j + 1]);
   } else {
 #pragma unroll
     for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
@@ -207,7 +205,7 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   if constexpr (sizeof(pk) == 16) {  // one 16-byte store: NVVM split the backward's in four
     const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk);
     asm volatile("{.reg .u64 g;\n cvta.to.global.u64 g, %0;\n st.global.v4.b32 [g], {%1, %2, %3, %4};}"
-                 ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+                 ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
     return;
   }
 #endif

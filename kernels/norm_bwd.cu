@@ -27,8 +27,9 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
          typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
          typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  // gamma held in registers across rows when it is one 16-byte vector per thread (more spills)
-  constexpr bool HOLD_GAMMA = NPT == 1 && sizeof(W) * VEC <= 16;
+  // gamma held in registers across rows where ptxas still fits the kernel in 64 registers
+  // without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
+  constexpr bool HOLD_GAMMA = NPT == 1 && sizeof(W) * VEC <= 16 && LN;
   extern __shared__ unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = C(1) / (C)N;
