@@ -24,12 +24,13 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _span
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
-# Backward also holds dy and two partial sums per element: one vector per thread while the row
-# fits in 512 threads, else two (the kernel's launch bound is then 512 threads); longer rows take
-# the column-tile path. 512-thread blocks, so fewer blocks flush dgamma/dbeta partials. Measured
-# on the H200 (tune.py, one machine): at N = 8192, two vectors in 512 threads beat one vector in
-# 1024 threads (16384x8192 bf16 349.7 vs 363.1 us, 4096x8192 f16 110.2 vs 112.3 us).
-BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512
+# Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
+# 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
+# threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
+# kernel v8b): one vector in 1024 threads was as fast or faster than two in 512 on every tuned
+# shape (16384x8192 bf16 306.7 vs 308.8 us, 4096x8192 f16 102.1 vs 104.0, 1151x8192 f16 52.7
+# vs 54.3); with the v4 kernel it had been slower (363 vs 350 us).
+BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one 2N vector, or per-block
 # partials summed in a fixed order by a second kernel. On the H200 the partials were faster on
 # every benchmark shape (tune.py: 4096x1024 f16 26.6 vs 42.9 us, 1151x8192 f16 57 vs 95 us,
