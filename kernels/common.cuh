@@ -151,14 +151,6 @@ __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0,
   }
 }
 
-template <int VEC, int NPT, typename T, typename C>
-__device__ __forceinline__ void unpack(const Pack<T, VEC> (&p)[NPT], C (&v)[NPT][VEC]) {
-#pragma unroll
-  for (int k = 0; k < NPT; ++k)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v[k][j] = (C)elem(p[k], j);
-}
-
 // A row's vectors as kept in registers: bfloat16 stays packed (each use converts with a shift or
 // a mask), other types are converted once (float16 conversions are not free: measured slower
 // packed, 4096x8192 f16 51.1 vs 42.7 us).
@@ -193,7 +185,6 @@ template <int V, typename T, typename C>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   Pack<T, V> pk;
   if constexpr (sizeof(T) == 2 && V % 2 == 0) {  // 16-bit pairs: half the conversions
-#pragma unroll
     unsigned int* w = reinterpret_cast<unsigned int*>(pk.v);
 #pragma unroll
     for (int j = 0; j < V; j += 2) w[j / 2] = pack2<T>((float)in[j], (float)in[j + 1]);
@@ -204,8 +195,9 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
 #ifndef CLN_HIP
   if constexpr (sizeof(pk) == 16) {  // one 16-byte store: NVVM split the backward's in four
     const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk);
-    asm volatile("{.reg .u64 g;\n cvta.to.global.u64 g, %0;\n st.global.v4.b32 [g], {%1, %2, %3, %4};}"
-                 ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
+    asm volatile(
+        "{.reg .u64 g;\n cvta.to.global.u64 g, %0;\n st.global.v4.b32 [g], {%1, %2, %3, %4};}"
+        ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]));
     return;
   }
 #endif
@@ -253,7 +245,8 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
     }
     __syncthreads();
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
+    for (int k = 0; k < K; ++k)
+      v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
     for (int o = WARP >> 1; o > 0; o >>= 1) {
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);

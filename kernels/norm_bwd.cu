@@ -17,7 +17,7 @@
 // per-element work is kept to the arithmetic itself (SASS of the H200 build: 44 instructions per
 // element before): 16-bit rows converted from 32-bit words, no per-element bounds selects (an
 // out-of-range vector loads as zeros: dy = 0 and gamma = 0 there, so it adds nothing), gamma
-// held across rows when a thread has one vector, dx by two fused multiply-adds.
+// held across rows where it fits, dx by two fused multiply-adds, one 16-byte store per vector.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,

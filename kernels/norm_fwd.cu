@@ -25,8 +25,8 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
       const C v = (C)elem(p[k], j);
       s[0] += LN ? v : v * v;
     }
-  // Consecutive calls alternate the reduction buffers: LayerNorm calls twice per chunk (2p, 2p + 1),
-  // RMSNorm once (p). racecheck found RMSNorm at 2p (always the same buffer) racing.
+  // Consecutive calls alternate the reduction buffers: LayerNorm calls twice per chunk (2p and
+  // 2p + 1), RMSNorm once (p). racecheck found RMSNorm at 2p (always the same buffer) racing.
   row_allreduce<WARP>(s, LN ? 2 * phase : phase);
   if (!LN) {
     m2 += s[0];
