@@ -20,17 +20,22 @@ from cupyln.bench import cases, copy_bandwidth, device_us, make_inputs
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
-          ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16")]
+          ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16"),
+          ("layernorm", 1024, 768, "float16"), ("layernorm", 192, 1024, "bfloat16"),
+          ("layernorm", 96, 768, "float16"), ("layernorm", 32, 512, "float16")]
 # Kernel sources: the current one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
 # holding all kernels as one translation unit, as _compile.source() makes it).
 SOURCES = {"current": _compile.source}
 for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     name, path = item.split("=", 1)
     SOURCES[name] = lambda path=path: open(path).read()
-# Each configuration: planner constants of _launch to set, and the kernel source.
+# Each configuration: the kernel source and planner constants of _launch (the others keep the
+# module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES]
-# backward: also one vector per thread in up to 1024 threads (rows of N = 8192 16-bit values)
-BWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", BWD_NPT=1, BWD_TPR_MAX=1024)]
+# backward: also fewer, fuller blocks for small M (fewer dgamma/dbeta partial rows)
+BWD = [dict(SOURCE=s) for s in SOURCES] + [
+    dict(SOURCE="current", BWD_SPREAD=f) for f in (1, 0.5, 0.25)]
+DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 
 
 def attrs(k):
@@ -46,7 +51,7 @@ def main():
         isz = dtype.itemsize
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
             for cfg in configs:
-                for k, v in cfg.items():
+                for k, v in {**DEFAULTS, **cfg}.items():
                     if k == "SOURCE":
                         _compile.source = SOURCES[v]
                         _compile._module_cache.cache_clear()

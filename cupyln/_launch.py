@@ -31,6 +31,10 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # shape (16384x8192 bf16 306.7 vs 308.8 us, 4096x8192 f16 102.1 vs 104.0, 1151x8192 f16 52.7
 # vs 54.3); with the v4 kernel it had been slower (363 vs 350 us).
 BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
+# Small M: rows per block shrink until about BWD_SPREAD blocks per SM get work. Every backward
+# block adds a row of dgamma/dbeta partials that the second kernel reads, so fewer, fuller
+# blocks can be faster than more parallel ones.
+BWD_SPREAD = 2
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one 2N vector, or per-block
 # partials summed in a fixed order by a second kernel. On the H200 the partials were faster on
 # every benchmark shape (tune.py: 4096x1024 f16 26.6 vs 42.9 us, 1151x8192 f16 57 vs 95 us,
@@ -86,11 +90,11 @@ def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
     return Geometry(tpr, npt, max(1, block // tpr), fits)
 
 
-def _spread(g, M, warp, sms):
-    """Fewer rows per block when M is small, so that at least 2 blocks per SM get work; a block
+def _spread(g, M, warp, blocks):
+    """Fewer rows per block when M is small, so that about ``blocks`` blocks get work; a block
     keeps at least one full warp (the shuffles assume whole warps)."""
     unit = max(1, warp // g.tpr)  # rows per whole warp
-    return g._replace(rpb=max(unit, min(g.rpb, _round_up(_cdiv(M, 2 * sms), unit))))
+    return g._replace(rpb=max(unit, min(g.rpb, _round_up(_cdiv(M, max(1, blocks)), unit))))
 
 
 def vec_options(dtype):
@@ -183,7 +187,7 @@ def _kinds(args, dtype):
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
-    g = _spread(g, M, info.warp, info.sms)
+    g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * 64),)
     kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
@@ -200,7 +204,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     if g.npt > 1:  # the kernel's launch bound: 512 threads when a thread holds two vectors
         g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
-    g = _spread(g, M, info.warp, info.sms)
+    g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     acc_size = ACC_DTYPES[dtype].itemsize
     launch = {}
     if g.fits:

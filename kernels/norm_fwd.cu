@@ -37,10 +37,11 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
   C q[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
-    const bool inb = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N;
+    // past N the row holds zeros: centred on 0 there, they add nothing (one select per vector)
+    const C ck = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N ? cm : C(0);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const C d = inb ? (C)elem(p[k], j) - cm : C(0);
+      const C d = (C)elem(p[k], j) - ck;
       q[0] += d * d;
     }
   }
@@ -63,10 +64,10 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
     C o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      C val = ((C)elem(p[k], j) - mu) * rstd;
-      if (gamma) val *= (C)elem(g, j);
-      if (beta) val += (C)elem(b, j);
-      o[j] = val;
+      // (x - mean) * (rstd * gamma) + beta: three operations per element
+      const C scale = gamma ? rstd * (C)elem(g, j) : rstd;
+      const C val = ((C)elem(p[k], j) - mu) * scale;
+      o[j] = beta ? val + (C)elem(b, j) : val;
     }
     store_vec<VEC>(yr + col, o);
   }
