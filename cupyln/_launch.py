@@ -32,8 +32,8 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # vs 54.3); with the v4 kernel it had been slower (363 vs 350 us).
 BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
 # Small M: rows per block shrink until about BWD_SPREAD blocks per SM get work. Every backward
-# block adds a row of dgamma/dbeta partials that the second kernel reads, so fewer, fuller
-# blocks can be faster than more parallel ones.
+# block also adds a row of dgamma/dbeta partials for the second kernel to read; fewer, fuller
+# blocks (1, 0.5, 0.25 per SM) made no consistent difference on the small shapes (tune.py, S3-9).
 BWD_SPREAD = 2
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one 2N vector, or per-block
 # partials summed in a fixed order by a second kernel. On the H200 the partials were faster on
