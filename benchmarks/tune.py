@@ -2,6 +2,7 @@
 
     python benchmarks/tune.py
     CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tune.py   # also other kernel sources
+    CUPYLN_TUNE_PASSES=fwd python benchmarks/tune.py                   # forward only
 
 For each configuration the compile and plan caches are cleared, and every shape's forward and
 backward are timed as the benchmark does; the kernels' register and local-memory use are
@@ -35,6 +36,7 @@ FWD = [dict(SOURCE=s) for s in SOURCES]
 # backward: also fewer, fuller blocks for small M (fewer dgamma/dbeta partial rows)
 BWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", BWD_SPREAD=f) for f in (1, 0.5, 0.25)]
+PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 
 
@@ -50,6 +52,8 @@ def main():
         x, dy, g, b = make_inputs(M, N, dtype)
         isz = dtype.itemsize
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
+            if pass_ not in PASSES:
+                continue
             for cfg in configs:
                 for k, v in {**DEFAULTS, **cfg}.items():
                     if k == "SOURCE":
