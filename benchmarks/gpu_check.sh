@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
-# Logs go to $OUT; a short table is printed last. Usage (on the device machine):
+# Logs go to $OUT/logs.tgz (the device tool returns at most 8 files), results beside it; a short
+# table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py), tune (benchmarks/tune.py) and ncu (Nsight
