@@ -24,6 +24,12 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _span
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
+# Forward with small M (every row's threads resident at once with one vector per thread): one
+# vector per thread, so rows get more threads and each thread a shorter chain, and the kernel
+# holds gamma/beta in registers from its start (NPT = 1). Nsight Compute (S3-12): at 32x512 and
+# 192x1024 our 4-vector forward kernels took 4.8 / 6.0 us against Liger's 2.9 / 3.0 (128-thread
+# rows). NOT YET MEASURED: compare FWD_SMALL_M = False / True with benchmarks/tune.py.
+FWD_SMALL_M = True
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
@@ -187,6 +193,10 @@ def _kinds(args, dtype):
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
+    if FWD_SMALL_M:
+        g1 = row_geometry(N // vec, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
+        if g1.fits and M * g1.tpr <= info.sms * info.threads_per_sm:
+            g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * 64),)

@@ -49,18 +49,26 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
   chan_merge(n, mean, m2, cnt, cm, q[0]);
 }
 
-template <int VEC, int NPT, typename T, typename W, typename C, typename R>
+// Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded at the kernel's
+// start), else they are read here; they stay packed until used (fewer live registers).
+template <bool HELD, int VEC, int NPT, typename T, typename W, typename C, typename R>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
                                             C rstd, const W* __restrict__ gamma,
-                                            const W* __restrict__ beta, T* __restrict__ yr) {
+                                            const W* __restrict__ beta, T* __restrict__ yr,
+                                            const Pack<W, VEC> (&hg)[NPT],
+                                            const Pack<W, VEC> (&hb)[NPT]) {
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int col = c0 + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
     if (col >= N) continue;
-    // parameters stay packed until used: fewer live registers than float copies
     Pack<W, VEC> g, b;
-    if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
-    if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
+    if constexpr (HELD) {
+      g = hg[k];
+      b = hb[k];
+    } else {
+      if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
+      if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
+    }
     C o[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -87,6 +95,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
+  // One vector per thread (the planner's choice for small M): gamma/beta are read at the start,
+  // together with the first row, instead of after its reductions.
+  constexpr bool HOLD = !CHUNKED && NPT == 1;
+  Pack<W, VEC> hg[NPT], hb[NPT];
+  if (HOLD && gamma) load_packs<VEC, NPT>(gamma, 0, N, true, hg);
+  if (HOLD && beta) load_packs<VEC, NPT>(beta, 0, N, true, hb);
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
@@ -106,7 +120,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     }
     for (int c = 0; c < nchunks && valid; ++c) {
       if (CHUNKED) load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
-      write_chunk<VEC, NPT>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N);
+      write_chunk<HOLD, VEC, NPT>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N,
+                                  hg, hb);
     }
   }
 }
