@@ -6,6 +6,8 @@
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py), tune (benchmarks/tune.py) and ncu (Nsight
 #   Compute sections of one forward and backward, benchmarks/ncu_case.py; NCU_CASE="op M N dtype")
+#   and small (kernel durations of the small shapes under Nsight Compute, all providers and
+#   planner variants, benchmarks/small_kernels.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -52,6 +54,11 @@ for s in $stages; do
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
            python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
+    small) run small_ncu ncu --csv --metrics gpu__time_duration.sum --print-units base \
+             --profile-from-start off --log-file "$OUT/small.csv" \
+             python3 benchmarks/small_kernels.py "$OUT/small_cases.txt"
+      python3 benchmarks/small_kernels.py --table "$OUT/small_cases.txt" "$OUT/small.csv" \
+        >"$OUT/small.log" 2>&1 ;;
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   esac
 done
@@ -59,7 +66,8 @@ mkdir -p "$OUT/cache" && tar czf "$OUT/cache/cache.tgz" -C "$CUPY_CACHE_DIR" . 2
 echo; echo "==== failures (first lines) ===="
 grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
 [ -f "$OUT/tune.log" ] && { echo; echo "==== tune ===="; cat "$OUT/tune.log"; }
+[ -f "$OUT/small.log" ] && { echo; echo "==== small (ncu kernel durations) ===="; cat "$OUT/small.log"; }
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
 # At most 8 files come back from the device tool: every log goes into one archive.
-(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt ./*.csv 2>/dev/null)

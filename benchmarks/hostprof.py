@@ -28,7 +28,8 @@ pieces = {
     "get_current_stream().ptr": lambda: cp.cuda.get_current_stream().ptr,
     "x.data.ptr": lambda: x.data.ptr,
     "RawKernel launch (3 args)": lambda: k((1,), (32,), (x, np.int64(3), np.float32(1))),
-    "Launcher launch (3 args)": lambda: lk(xp, 3, 1.0),
+    "Launcher launch (3 args)": lambda: lk(0, xp, 3, 1.0),
+    "runtime.streamIsCapturing": lambda: cp.cuda.runtime.streamIsCapturing(0),
     "layer_norm_fwd": lambda: cupyln.layer_norm_fwd(x, g, b),
     "layer_norm_bwd": lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd),
 }

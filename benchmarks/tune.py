@@ -33,9 +33,7 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", FWD_SMALL_M=False)]
-# backward: also fewer, fuller blocks for small M (fewer dgamma/dbeta partial rows)
-BWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", BWD_SPREAD=f) for f in (1, 0.5, 0.25)]
+BWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", BWD_FOLD=False)]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 

@@ -1,7 +1,7 @@
-"""Kernel launch with little host time: ``cuLaunchKernel`` through ctypes with an argument
-buffer built once per launch configuration, instead of a CuPy RawKernel call (which converts
-every argument on every call). On HIP, or where the CUDA driver library cannot be loaded, the
-same interface calls the RawKernel.
+"""Kernel launch with little host time: the driver's launch call (``cuLaunchKernel``, or
+``hipModuleLaunchKernel`` on ROCm, through CuPy's own binding) with an argument buffer built once
+per launch configuration, instead of a CuPy RawKernel call (which converts every argument on
+every call).
 
 Arguments are described by one letter each: ``p`` pointer (an int address, 0 for NULL),
 ``i`` 64-bit integer, ``f`` float32, ``d`` float64.
@@ -10,27 +10,12 @@ Arguments are described by one letter each: ``p`` pointer (an int address, 0 for
 from __future__ import annotations
 
 import ctypes
-import functools
 import struct
-import sys
 import threading
 
-import cupy as cp
-import numpy as np
+from cupy_backends.cuda.api import driver as _drv
 
 _STRUCT = {"p": "Q", "i": "q", "f": "f", "d": "d"}  # native-aligned C layout of each argument
-_NUMPY = {"p": np.uint64, "i": np.int64, "f": np.float32, "d": np.float64}
-
-
-@functools.cache
-def _libcuda():
-    """The CUDA driver library (already loaded by CuPy), or None on HIP or when it is missing."""
-    if cp.cuda.runtime.is_hip:
-        return None
-    try:
-        return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-    except OSError:
-        return None
 
 
 def param_layout(kinds):
@@ -42,18 +27,12 @@ def param_layout(kinds):
     return fmt, offs
 
 
-def _error_name(lib, rc):
-    name = ctypes.c_char_p()
-    lib.cuGetErrorName(ctypes.c_int(rc), ctypes.byref(name))
-    return (name.value or b"unknown").decode()
-
-
 class Launcher:
     """One kernel with a fixed grid, block and dynamic shared memory, on the device whose
-    RawKernel it was made from. ``launcher(*args)`` launches on the current CuPy stream."""
+    RawKernel it was made from. ``launcher(stream_ptr, *args)`` launches on that stream."""
 
-    __slots__ = ("kern", "grid", "block", "smem", "kinds", "_lib", "_fn", "_dims", "_buf",
-                 "_params", "_pack", "_lock")
+    __slots__ = ("kern", "grid", "block", "smem", "kinds", "_dims", "_buf", "_params",
+                 "_params_ptr", "_pack", "_lock")
 
     def __init__(self, kern, grid, block, smem, kinds):
         self.kern, self.kinds = kern, kinds
@@ -64,32 +43,24 @@ class Launcher:
         # only near that size: today's plans stay far below it).
         if smem > 40 * 1024 and smem > kern.max_dynamic_shared_size_bytes:
             kern.max_dynamic_shared_size_bytes = smem
-        self._lib = _libcuda()
-        if self._lib is None:
-            return
-        self._fn = self._lib.cuLaunchKernel
-        self._dims = (ctypes.c_void_p(kern.kernel.ptr),
-                      *(ctypes.c_uint(d) for d in self.grid + self.block + (smem,)))
+        self._dims = (kern.kernel.ptr, *self.grid, *self.block, smem)
         fmt, offs = param_layout(kinds)
         self._pack = struct.Struct(fmt).pack_into
         self._buf = ctypes.create_string_buffer(max(struct.calcsize(fmt), 8))
         base = ctypes.addressof(self._buf)
         self._params = (ctypes.c_void_p * len(kinds))(*(base + o for o in offs))
-        # One buffer per launcher: the lock keeps two threads from filling it at once.
+        self._params_ptr = ctypes.addressof(self._params)
+        # One buffer per launcher: the lock keeps two threads from filling it at once (the
+        # driver copies the arguments before the launch call returns).
         self._lock = threading.Lock()
 
-    def __call__(self, *args):
-        if self._lib is None:
-            self.kern(self.grid, self.block,
-                      tuple(_NUMPY[k](a) for k, a in zip(self.kinds, args, strict=True)),
-                      shared_mem=self.smem)
-            return
-        stream = ctypes.c_void_p(cp.cuda.get_current_stream().ptr)
-        with self._lock:
-            self._pack(self._buf, 0, *args)
-            rc = self._fn(*self._dims, stream, self._params, None)
-        if rc:
+    def __call__(self, stream, *args):
+        try:
+            with self._lock:
+                self._pack(self._buf, 0, *args)
+                _drv.launchKernel(*self._dims, stream, self._params_ptr, 0)
+        except _drv.CUDADriverError as e:
             raise RuntimeError(
-                f"cupyln: cuLaunchKernel failed: {_error_name(self._lib, rc)} (grid {self.grid}, "
-                f"block {self.block}, {self.smem} bytes of dynamic shared memory)"
-            )
+                f"cupyln: kernel launch failed: {e} (grid {self.grid}, block {self.block}, "
+                f"{self.smem} bytes of dynamic shared memory)"
+            ) from e

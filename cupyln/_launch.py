@@ -47,6 +47,11 @@ BWD_SPREAD = 2
 # 16384x8192 bf16 358 vs 397 us: same-address atomics from hundreds of blocks serialize in L2),
 # so both modes use them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
+# Small backwards fold the partial sums into the main kernel: the block that finishes last sums
+# every block's partials in a fixed order (a ticket counter names it), instead of a second
+# kernel, saving a launch. Used where one wave of blocks of up to BWD_FOLD_BLOCK threads, without
+# the small-M spread, covers every row and the last block sums at most BWD_FOLD_ELEMS partials.
+BWD_FOLD, BWD_FOLD_BLOCK, BWD_FOLD_ELEMS = True, 1024, 65536
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 ROWSUMS_TPR = 1024
 
@@ -101,6 +106,20 @@ def _spread(g, M, warp, blocks):
     keeps at least one full warp (the shuffles assume whole warps)."""
     unit = max(1, warp // g.tpr)  # rows per whole warp
     return g._replace(rpb=max(unit, min(g.rpb, _round_up(_cdiv(M, max(1, blocks)), unit))))
+
+
+def _fold(g, M, N, warp, sms):
+    """The backward geometry with the partials folded into the main kernel (see BWD_FOLD), or
+    None where the fold does not apply: rows stacked up to BWD_FOLD_BLOCK threads, one wave of
+    at most ``sms`` blocks, at most BWD_FOLD_ELEMS partials for the last block to sum."""
+    if not (BWD_FOLD and g.fits and g.npt == 1):
+        return None
+    unit = max(1, warp // g.tpr)  # rows per whole warp
+    rpb = max(unit, min(BWD_FOLD_BLOCK // g.tpr, _round_up(M, unit)))
+    P = _cdiv(M, rpb)
+    if P > sms or P * 2 * N > BWD_FOLD_ELEMS:
+        return None
+    return g._replace(rpb=rpb)
 
 
 def vec_options(dtype):
@@ -214,7 +233,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     if g.npt > 1:  # the kernel's launch bound: 512 threads when a thread holds two vectors
         g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
-    g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
+    folded = _fold(g, M, N, info.warp, info.sms)
+    fold = folded is not None
+    g = folded if fold else _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     acc_size = ACC_DTYPES[dtype].itemsize
     launch = {}
     if g.fits:
@@ -234,7 +255,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
     launch["bwd"] = Launcher(kerns["bwd"], grid, block, smem, _BWD_ARGS)
-    launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
+    if not fold:
+        launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
+                                    _REDUCE_ARGS)
     return Plan(spec, kerns, grid, block, smem, launch)
 
 
@@ -412,13 +435,14 @@ class _HotFwd:
         if self.given and self.ext.overlap(out, (x, gamma, beta)):
             return None
         ldx, M, N, eps = self.consts
-        self.plan.launch["fwd"](xp, ldx, gp, bp, y.data.ptr, _ptr(mean), rstd.data.ptr, M, N, eps)
+        self.plan.launch["fwd"](cp.cuda.get_current_stream().ptr, xp, ldx, gp, bp, y.data.ptr,
+                                _ptr(mean), rstd.data.ptr, M, N, eps)
         return (y, mean, rstd) if self.is_ln else (y, rstd)
 
 
 class _HotBwd:
     __slots__ = ("dev", "plan", "layout", "given", "want", "consts", "xmask", "wmask", "scratch",
-                 "atomic", "ext")
+                 "atomic", "fold", "ext")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
                  M, N):
@@ -434,10 +458,14 @@ class _HotBwd:
         params = want[1] or want[2]
         self.scratch = (params and partials, "rowsums" in plan.launch)
         self.atomic = params and not partials
+        # folded: the main kernel sums the partials, picking its last block by a ticket counter
+        self.fold = bool(self.scratch[0] and "reduce" not in plan.launch)
         if self.scratch[0]:
             new.append(((P, 2 * N), acc))
         if self.scratch[1]:
             new.append(((M, 2), acc))
+        if self.fold:
+            new.append(((1,), _COUNTER))  # the counter of a captured call (see _ticket)
         self.layout = _Layout(new)
         self.consts = (ldx, lddy, M, N, P)
         self.ext = _Extents()
@@ -449,6 +477,7 @@ class _HotBwd:
         if cp.cuda.runtime.getDevice() != self.dev:
             return None
         new = self.layout.make()
+        counter = new.pop() if self.fold else None
         rowsums = new.pop() if self.scratch[1] else None
         partial = new.pop() if self.scratch[0] else None
         it = iter(new)
@@ -466,18 +495,41 @@ class _HotBwd:
         ldx, lddy, M, N, P = self.consts
         mp, rp, rsp = _ptr(mean), rstd.data.ptr, _ptr(rowsums)
         launch = self.plan.launch
+        stream = cp.cuda.get_current_stream().ptr
         if rowsums is not None:
-            launch["rowsums"](dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
+            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = _ptr(partial)
         ap = cnt = 0
         if self.atomic:  # float32 atomics into zeroed accumulators, then a counter (norm_bwd.cu)
             acc = cp.zeros(2 * N + 2, ACC_DTYPES[self.plan.spec.dtype])
             ap = acc.data.ptr
             cnt = ap + 2 * N * acc.itemsize
-        launch["bwd"](dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M, N)
-        if partial is not None:
-            launch["reduce"](pp, P, N, dgp, dbp)
+        elif self.fold:
+            cnt = _ticket(self.dev, stream, counter)
+        launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M,
+                      N)
+        if partial is not None and not self.fold:
+            launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
+
+
+_COUNTER = np.dtype(np.uint32)
+_COUNTERS = {}  # (device, stream) -> ticket counter of folded backwards
+
+
+def _ticket(dev, stream, own):
+    """Address of a zeroed ticket counter for a folded backward on ``stream``. The kernel leaves
+    it at zero again, so launches on one stream (which run in order) share one counter; launches
+    on other streams, which may run at the same time, have their own. A call being captured into
+    a CUDA graph uses ``own`` (its scratch), zeroed by a memset captured with it: the graph may be
+    replayed on any stream."""
+    if cp.cuda.runtime.streamIsCapturing(stream):
+        cp.cuda.runtime.memsetAsync(own.data.ptr, 0, own.nbytes, stream)
+        return own.data.ptr
+    c = _COUNTERS.get((dev, stream))
+    if c is None:  # zeroed on this stream, before the kernel that first uses it
+        c = _COUNTERS[dev, stream] = cp.zeros(1, _COUNTER)
+    return c.data.ptr
 
 
 @functools.lru_cache(maxsize=4096)

@@ -215,7 +215,7 @@ def test_atomic_flush(atomic_flush, op, M, N):
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
-@pytest.mark.parametrize("M,N", [(4099, 1024), (1000, 33), (257, 20000)])
+@pytest.mark.parametrize("M,N", [(4099, 1024), (1000, 33), (257, 20000), (37, 512)])
 def test_deterministic_is_bitwise_repeatable(op, M, N):
     x, dy, g, b = inputs(M, N, F16, F32)
     dg0, db0 = check_case(op, x, dy, g, b, deterministic=True)
@@ -301,10 +301,11 @@ def test_one_million_columns(op):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_cuda_graph_capture_and_replay(deterministic):
-    """Forward + backward captured on a stream, inputs refilled, graph replayed: the results
-    match the reference on the new inputs. A pool of its own keeps the captured buffers."""
-    M, N = 300, 1000
+@pytest.mark.parametrize("M,N", [(300, 1000), (64, 512)])  # two kernels; one (folded)
+def test_cuda_graph_capture_and_replay(deterministic, M, N):
+    """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on
+    another stream while the same signature runs on the capturing one): the results match the
+    reference on the new inputs. A pool of its own keeps the captured buffers."""
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
     xh, dyh, gh, bh = inputs(M, N, F16, F32)
@@ -321,18 +322,47 @@ def test_cuda_graph_capture_and_replay(deterministic):
         stream.begin_capture()
         outs = step()
         graph = stream.end_capture()
-    xh2, dyh2, _, _ = inputs(M, N, F16, F32, seed=7)
-    x.set(xh2, stream=stream)
-    dy.set(dyh2, stream=stream)
-    graph.launch(stream)
-    stream.synchronize()
-    y, mean, rstd, dx, dg, db = outs
-    ry, rm, rr = ref.layer_norm_fwd(xh2, gh, bh)
-    rdx, rdg, rdb = ref.layer_norm_bwd(dyh2, xh2, gh, mean.get(), rstd.get())
-    for out, want, name in ((y, ry, "y"), (mean, rm, "mean"), (rstd, rr, "rstd"),
-                            (dg, rdg, "dgamma"), (db, rdb, "dbeta")):
-        assert_close(out, want, name)
-    assert_close(dx, rdx, "dx", dx_floor(dyh2, gh, rstd))
+    other = cp.cuda.Stream(non_blocking=True)
+    for seed in (7, 8):
+        xh2, dyh2, _, _ = inputs(M, N, F16, F32, seed=seed)
+        x.set(xh2, stream=stream)
+        dy.set(dyh2, stream=stream)
+        stream.synchronize()
+        graph.launch(other)
+        with cp.cuda.using_allocator(pool.malloc), stream:
+            for _ in range(20):  # direct calls of the same signature, at the same time
+                step()
+        other.synchronize()
+        stream.synchronize()
+        y, mean, rstd, dx, dg, db = outs
+        ry, rm, rr = ref.layer_norm_fwd(xh2, gh, bh)
+        rdx, rdg, rdb = ref.layer_norm_bwd(dyh2, xh2, gh, mean.get(), rstd.get())
+        for out, want, name in ((y, ry, "y"), (mean, rm, "mean"), (rstd, rr, "rstd"),
+                                (dg, rdg, "dgamma"), (db, rdb, "dbeta")):
+            assert_close(out, want, name)
+        assert_close(dx, rdx, "dx", dx_floor(dyh2, gh, rstd))
+
+
+def test_concurrent_streams_each_get_correct_gradients():
+    """Small backwards (one kernel, which picks its last block by a counter) running on several
+    streams at once: every call's dgamma/dbeta are those of its own inputs."""
+    M, N = 48, 768
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
+    results = [[] for _ in streams]
+    for _ in range(25):
+        for s, (xh, dyh, gh, _), res in zip(streams, cases, results, strict=True):
+            with s:
+                x, dy, g = cp.asarray(xh), cp.asarray(dyh), cp.asarray(gh)
+                y, mean, rstd = cupyln.layer_norm_fwd(x, g)
+                res.append((mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd)[1:])
+    for s in streams:
+        s.synchronize()
+    for (xh, dyh, gh, _), res in zip(cases, results, strict=True):
+        for mean, rstd, dg, db in res:
+            _, rdg, rdb = ref.layer_norm_bwd(dyh, xh, gh, mean.get(), rstd.get())
+            assert_close(dg, rdg, "dgamma")
+            assert_close(db, rdb, "dbeta")
 
 
 def test_warmup_compiles_the_plans_calls_use():

@@ -1,0 +1,86 @@
+"""Kernel durations of the small benchmark shapes under Nsight Compute: every provider, and
+cupyln with planner variants, one profiled call each after warm-up, behind an L2 flush.
+
+    ncu --csv --metrics gpu__time_duration.sum --profile-from-start off --log-file k.csv \\
+        python benchmarks/small_kernels.py cases.txt
+    python benchmarks/small_kernels.py --table cases.txt k.csv
+
+The first command writes the case of each profiled group to cases.txt; the second sums each
+group's kernels (the flush kernel separates the groups) and prints a table in microseconds.
+"""
+
+import csv
+import sys
+
+SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
+          ("layernorm", 192, 1024, "bfloat16"), ("layernorm", 1024, 768, "float16"),
+          ("rmsnorm", 32, 512, "float16")]
+# cupyln planner variants: _launch constants set for the case (the others keep their values)
+VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False},
+            "cupyln BWD_FOLD=0": {"BWD_FOLD": False}}
+FLUSH = "l2_flush"
+
+
+def run(cases_path):
+    import cupy as cp
+    import numpy as np
+
+    from cupyln import _launch
+    from cupyln.api import BFLOAT16
+    from cupyln.bench import _liger, _torch, cases, make_inputs
+
+    flush_buf = cp.empty(256 << 20, cp.uint8)
+    flush = cp.RawKernel(f'extern "C" __global__ void {FLUSH}(unsigned int* p, long long n) {{'
+                         "for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;"
+                         " i < n; i += (long long)gridDim.x * blockDim.x) p[i] = 0; }", FLUSH)
+    torch, liger = _torch(), _liger()
+    defaults = {k: getattr(_launch, k) for v in VARIANTS.values() for k in v}
+    labels = []
+    for op, M, N, dt in SHAPES:
+        x, dy, g, b = make_inputs(M, N, np.dtype(BFLOAT16 if dt == "bfloat16" else dt))
+        for name, variant in VARIANTS.items():
+            for k, v in {**defaults, **variant}.items():
+                setattr(_launch, k, v)
+            _launch.clear_caches()
+            peers = (torch, liger) if name == "cupyln" else (None, None)  # peers once per shape
+            for (prov, pass_), fn in cases(op, x, dy, g, b, *peers).items():
+                fn(), fn()  # compile, plan, warm
+                cp.cuda.runtime.deviceSynchronize()
+                cp.cuda.profiler.start()
+                flush((1024,), (256,), (flush_buf, np.int64(flush_buf.size // 4)))
+                fn()
+                cp.cuda.runtime.deviceSynchronize()
+                cp.cuda.profiler.stop()
+                labels.append(f"{op} {M}x{N} {dt} {pass_} {name if prov == 'cupyln' else prov}")
+        for k, v in defaults.items():
+            setattr(_launch, k, v)
+        _launch.clear_caches()
+    with open(cases_path, "w") as f:
+        f.write("\n".join(labels) + "\n")
+
+
+def table(cases_path, csv_path):
+    labels = open(cases_path).read().split("\n")[:-1]
+    lines = [ln for ln in open(csv_path) if ln.startswith('"')]
+    groups = []
+    for row in csv.DictReader(lines):
+        if row["Metric Name"] != "gpu__time_duration.sum":
+            continue
+        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
+                 "ms": 1e3}[row["Metric Unit"]]
+        if row["Kernel Name"].startswith(FLUSH):
+            groups.append([])
+        elif groups:
+            groups[-1].append(float(row["Metric Value"].replace(",", "")) * scale)
+    for label, ks in zip(labels, groups, strict=False):
+        parts = " + ".join(f"{k:.2f}" for k in ks)
+        print(f"{label:<52} {sum(ks):6.2f} us  ({parts})")
+    if len(labels) != len(groups):
+        print(f"warning: {len(labels)} cases but {len(groups)} profiled groups")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--table":
+        table(sys.argv[2], sys.argv[3])
+    else:
+        run(sys.argv[1])
