@@ -266,22 +266,28 @@ __device__ __forceinline__ void chan_merge(C& n, C& mean, C& m2, C nb, C mb, C m
   n = tot;
 }
 
-// Sum a per-thread column array over the blockDim.y rows of a block, in a fixed order; the
-// result lands in the threads with threadIdx.y == 0. `buf` holds blockDim.x*blockDim.y*V values.
-template <int V, typename C>
-__device__ __forceinline__ void sum_over_block_rows(C (&v)[V], C* buf) {
-  if (blockDim.y == 1) return;
-  const int tpr = blockDim.x;
-  __syncthreads();
+// Column sums over the blockDim.y rows of a block, each in a fixed order (row 0, 1, ...): the
+// threads put their V consecutive columns in `buf` (blockDim.x * blockDim.y * V values), then
+// all threads of the block share the blockDim.x * V columns, so no thread sums alone. Calls
+// emit(column, sum) once per column, from the thread that summed it (columns relative to the
+// block's first). Every thread of the block must call it.
+template <int V, typename C, typename F>
+__device__ __forceinline__ void block_column_sums(const C (&v)[V], C* buf, F emit) {
+  const int tpr = blockDim.x, rows = blockDim.y;
+  if (rows == 1) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) buf[(threadIdx.y * tpr + threadIdx.x) * V + j] = v[j];
-  __syncthreads();
-  if (threadIdx.y == 0) {
+    for (int j = 0; j < V; ++j) emit(threadIdx.x * V + j, v[j]);
+    return;
+  }
+  const int cols = tpr * V;
+  __syncthreads();  // buf may still be read by the previous call's threads
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      C s = C(0);
-      for (int r = 0; r < (int)blockDim.y; ++r) s += buf[(r * tpr + threadIdx.x) * V + j];
-      v[j] = s;
-    }
+  for (int j = 0; j < V; ++j) buf[threadIdx.y * cols + threadIdx.x * V + j] = v[j];
+  __syncthreads();
+  for (int c = threadIdx.y * tpr + threadIdx.x; c < cols; c += tpr * rows) {
+    C s = C(0);
+#pragma unroll 4
+    for (int r = 0; r < rows; ++r) s += buf[r * cols + c];
+    emit(c, s);
   }
 }

@@ -113,26 +113,18 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   C* buf = reinterpret_cast<C*>(cl_smem);
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
-    if (want_g) sum_over_block_rows<VEC>(acc_g[k], buf);
-    if (want_b) sum_over_block_rows<VEC>(acc_b[k], buf);
-  }
-  if (threadIdx.y == 0) {
-#pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
-      if (col >= N) continue;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        if (partial) {
-          C* p = partial + (cl_i64)blockIdx.x * 2 * N;
-          if (want_g) p[col + j] = acc_g[k][j];
-          if (want_b) p[N + col + j] = acc_b[k][j];
-        } else {
-          if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
-          if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
-        }
-      }
-    }
+    // the block's sums of this vector's columns: to this block's partial row, or atomics
+    const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;
+    auto flush_to = [&](cl_i64 off) {
+      return [&, off](int c, C s) {
+        const cl_i64 col = base + c;
+        if (col >= N) return;
+        if (partial) partial[(cl_i64)blockIdx.x * 2 * N + off + col] = s;
+        else atomicAdd(accum + off + col, s);
+      };
+    };
+    if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
+    if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
   }
   // The flush ends in the block that finishes last: it casts the atomic sums into dgamma/dbeta,
   // or (a fold: partials with a counter) sums every block's partials in a fixed order, the
