@@ -8,6 +8,7 @@ import cupy as cp
 import numpy as np
 
 import cupyln
+from cupyln import _launch
 from cupyln._driver import Launcher
 from cupyln.bench import host_us_per_call as per_call
 from cupyln.bench import make_inputs
@@ -35,6 +36,12 @@ pieces = {
 }
 for name, fn in pieces.items():
     print(f"{name:<32} {per_call(fn):7.2f} us")
+_launch.ATOMIC_FLUSH_BLOCKS = 1 << 30  # one kernel: the atomic flush
+_launch.clear_caches()
+print(f"{'layer_norm_bwd (atomic flush)':<32} "
+      f"{per_call(lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd)):7.2f} us")
+_launch.ATOMIC_FLUSH_BLOCKS = 0
+_launch.clear_caches()
 for name, fn in (("fwd", lambda: cupyln.layer_norm_fwd(x, g, b)),
                  ("bwd", lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd))):
     pr = cProfile.Profile()

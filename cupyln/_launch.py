@@ -41,17 +41,14 @@ BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
 # block also adds a row of dgamma/dbeta partials for the second kernel to read; fewer, fuller
 # blocks (1, 0.5, 0.25 per SM) made no consistent difference on the small shapes (tune.py, S3-9).
 BWD_SPREAD = 2
-# dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one 2N vector, or per-block
-# partials summed in a fixed order by a second kernel. On the H200 the partials were faster on
-# every benchmark shape (tune.py: 4096x1024 f16 26.6 vs 42.9 us, 1151x8192 f16 57 vs 95 us,
-# 16384x8192 bf16 358 vs 397 us: same-address atomics from hundreds of blocks serialize in L2),
-# so both modes use them; the atomic flush stays available and tested.
-ATOMIC_FLUSH = False
-# Small backwards fold the partial sums into the main kernel: the block that finishes last sums
-# every block's partials in a fixed order (a ticket counter names it), instead of a second
-# kernel, saving a launch. Used where one wave of blocks of up to BWD_FOLD_BLOCK threads, without
-# the small-M spread, covers every row and the last block sums at most BWD_FOLD_ELEMS partials.
-BWD_FOLD, BWD_FOLD_BLOCK, BWD_FOLD_ELEMS = True, 1024, 65536
+# dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one zeroed 2N vector (the
+# last block casts it and zeroes it again: one kernel), or per-block partials summed in a fixed
+# order by a second kernel. Partials were faster on large grids (tune.py: 4096x1024 f16 26.6 vs
+# 42.9 us, 1151x8192 f16 57 vs 95 us, 16384x8192 bf16 358 vs 397 us: same-address atomics from
+# hundreds of blocks serialize in L2), so the atomic flush is used only by grids of at most
+# ATOMIC_FLUSH_BLOCKS blocks (small M, where the second kernel's launch is what costs), never
+# with deterministic=True (atomics add in any order); ATOMIC_FLUSH = True uses it on every grid.
+ATOMIC_FLUSH, ATOMIC_FLUSH_BLOCKS = False, 0
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 ROWSUMS_TPR = 1024
 
@@ -106,20 +103,6 @@ def _spread(g, M, warp, blocks):
     keeps at least one full warp (the shuffles assume whole warps)."""
     unit = max(1, warp // g.tpr)  # rows per whole warp
     return g._replace(rpb=max(unit, min(g.rpb, _round_up(_cdiv(M, max(1, blocks)), unit))))
-
-
-def _fold(g, M, N, warp, sms):
-    """The backward geometry with the partials folded into the main kernel (see BWD_FOLD), or
-    None where the fold does not apply: rows stacked up to BWD_FOLD_BLOCK threads, one wave of
-    at most ``sms`` blocks, at most BWD_FOLD_ELEMS partials for the last block to sum."""
-    if not (BWD_FOLD and g.fits and g.npt == 1):
-        return None
-    unit = max(1, warp // g.tpr)  # rows per whole warp
-    rpb = max(unit, min(BWD_FOLD_BLOCK // g.tpr, _round_up(M, unit)))
-    P = _cdiv(M, rpb)
-    if P > sms or P * 2 * N > BWD_FOLD_ELEMS:
-        return None
-    return g._replace(rpb=rpb)
 
 
 def vec_options(dtype):
@@ -233,9 +216,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     if g.npt > 1:  # the kernel's launch bound: 512 threads when a thread holds two vectors
         g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
-    folded = _fold(g, M, N, info.warp, info.sms)
-    fold = folded is not None
-    g = folded if fold else _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
+    g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     acc_size = ACC_DTYPES[dtype].itemsize
     launch = {}
     if g.fits:
@@ -255,9 +236,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
     launch["bwd"] = Launcher(kerns["bwd"], grid, block, smem, _BWD_ARGS)
-    if not fold:
-        launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
-                                    _REDUCE_ARGS)
+    launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
     return Plan(spec, kerns, grid, block, smem, launch)
 
 
@@ -442,7 +421,7 @@ class _HotFwd:
 
 class _HotBwd:
     __slots__ = ("dev", "plan", "layout", "given", "want", "consts", "xmask", "wmask", "scratch",
-                 "atomic", "fold", "ext")
+                 "atomic", "acc_bytes", "ext")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
                  M, N):
@@ -458,14 +437,15 @@ class _HotBwd:
         params = want[1] or want[2]
         self.scratch = (params and partials, "rowsums" in plan.launch)
         self.atomic = params and not partials
-        # folded: the main kernel sums the partials, picking its last block by a ticket counter
-        self.fold = bool(self.scratch[0] and "reduce" not in plan.launch)
         if self.scratch[0]:
             new.append(((P, 2 * N), acc))
         if self.scratch[1]:
             new.append(((M, 2), acc))
-        if self.fold:
-            new.append(((1,), _COUNTER))  # the counter of a captured call (see _ticket)
+        # the atomic flush's zeroed counter and 2N sums: kept per stream (see _atomic_scratch);
+        # this call's own, in the same allocation, only while a graph is being captured
+        self.acc_bytes = _ACC_OFFSET + 2 * N * acc.itemsize
+        if self.atomic:
+            new.append(((self.acc_bytes,), _BYTES))
         self.layout = _Layout(new)
         self.consts = (ldx, lddy, M, N, P)
         self.ext = _Extents()
@@ -477,7 +457,7 @@ class _HotBwd:
         if cp.cuda.runtime.getDevice() != self.dev:
             return None
         new = self.layout.make()
-        counter = new.pop() if self.fold else None
+        own = new.pop() if self.atomic else None
         rowsums = new.pop() if self.scratch[1] else None
         partial = new.pop() if self.scratch[0] else None
         it = iter(new)
@@ -499,37 +479,40 @@ class _HotBwd:
         if rowsums is not None:
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = _ptr(partial)
-        ap = cnt = 0
-        if self.atomic:  # float32 atomics into zeroed accumulators, then a counter (norm_bwd.cu)
-            acc = cp.zeros(2 * N + 2, ACC_DTYPES[self.plan.spec.dtype])
-            ap = acc.data.ptr
-            cnt = ap + 2 * N * acc.itemsize
-        elif self.fold:
-            cnt = _ticket(self.dev, stream, counter)
+        cnt = ap = 0
+        if self.atomic:  # float32 atomics into zeroed sums, the last block by a counter
+            cnt = _atomic_scratch(self.dev, stream, self.acc_bytes, own)
+            ap = cnt + _ACC_OFFSET
         launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M,
                       N)
-        if partial is not None and not self.fold:
+        if partial is not None:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
 
 
-_COUNTER = np.dtype(np.uint32)
-_COUNTERS = {}  # (device, stream) -> ticket counter of folded backwards
+_BYTES = np.dtype(np.uint8)
+_ACC_OFFSET = 256  # the counter, then the sums (256-byte aligned)
+_SCRATCH = {}  # (device, stream) -> zeroed memory of the atomic flush
 
 
-def _ticket(dev, stream, own):
-    """Address of a zeroed ticket counter for a folded backward on ``stream``. The kernel leaves
-    it at zero again, so launches on one stream (which run in order) share one counter; launches
-    on other streams, which may run at the same time, have their own. A call being captured into
-    a CUDA graph uses ``own`` (its scratch), zeroed by a memset captured with it: the graph may be
-    replayed on any stream."""
+def _atomic_scratch(dev, stream, nbytes, own):
+    """Address of ``nbytes`` of zeroed memory (a ticket counter, then the sums) for an atomic
+    flush on ``stream``. The kernel leaves it zeroed again, so launches on one stream (which run
+    in order) share one; launches on other streams, which may run at the same time, have their
+    own. A call being captured into a CUDA graph uses ``own`` (its scratch), zeroed by a memset
+    captured with it: the graph may be replayed on any stream."""
     if cp.cuda.runtime.streamIsCapturing(stream):
-        cp.cuda.runtime.memsetAsync(own.data.ptr, 0, own.nbytes, stream)
+        cp.cuda.runtime.memsetAsync(own.data.ptr, 0, nbytes, stream)
         return own.data.ptr
-    c = _COUNTERS.get((dev, stream))
-    if c is None:  # zeroed on this stream, before the kernel that first uses it
-        c = _COUNTERS[dev, stream] = cp.zeros(1, _COUNTER)
-    return c.data.ptr
+    mem = _SCRATCH.get((dev, stream))
+    if mem is None or mem.mem.size < nbytes:
+        # a larger one, zeroed on this stream before the kernel that first uses it; the one it
+        # replaces goes back to the pool, reused only in this stream's order
+        size = max(nbytes, 1 << 16)
+        mem = cp.cuda.alloc(size)
+        cp.cuda.runtime.memsetAsync(mem.ptr, 0, size, stream)
+        _SCRATCH[dev, stream] = mem
+    return mem.ptr
 
 
 @functools.lru_cache(maxsize=4096)
@@ -621,7 +604,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0]) if p is not None]
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
-        partials = deterministic or not ATOMIC_FLUSH
+        blocks = plan.grid[0] * plan.grid[1]
+        partials = deterministic or not (ATOMIC_FLUSH or blocks <= ATOMIC_FLUSH_BLOCKS)
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
                        ldx, lddy, M, N)
         if remember is not None and as_is:

@@ -6,12 +6,11 @@
 //
 // norm_bwd reads x and dy once: it computes dx row by row and, in the same pass, accumulates the
 // dgamma/dbeta partial sums of its rows in registers. At the end each block either adds its
-// partials into a float32 N-vector with atomicAdd (the last block to finish casts that vector
-// into dgamma/dbeta), or writes them to its own row of a [blocks, 2N] scratch that is summed
-// in a fixed order (deterministic): by the last block to finish when the scratch is small (one
-// launch), else by norm_bwd_reduce. Rows too long for registers take two
-// kernels: norm_bwd_rowsums computes each row's two sums, then norm_bwd runs on column tiles
-// (gridDim.y > 1) with those sums given.
+// partials into a zeroed 2N-vector with atomicAdd (the last block to finish casts that vector
+// into dgamma/dbeta and zeroes it for the next launch: one kernel), or writes them to its own
+// row of a [blocks, 2N] scratch that norm_bwd_reduce sums in a fixed order (deterministic).
+// Rows too long for registers take two kernels: norm_bwd_rowsums computes each row's two sums,
+// then norm_bwd runs on column tiles (gridDim.y > 1) with those sums given.
 #include "common.cuh"
 
 // One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128. The
@@ -126,33 +125,26 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
     if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
   }
-  // The flush ends in the block that finishes last: it casts the atomic sums into dgamma/dbeta,
-  // or (a fold: partials with a counter) sums every block's partials in a fixed order, the
-  // same whichever block is last. Without a counter the partials are left to norm_bwd_reduce.
-  if (partial && !counter) return;
+  if (partial) return;  // summed by norm_bwd_reduce
+
+  // Atomic flush: the last block to finish (a ticket counter) casts the sums into dgamma/dbeta
+  // and zeroes them again. The ticket wraps back to 0 after the last block, so the counter and
+  // the accumulators are ready for the next launch without a memset.
   __shared__ bool is_last;
   __threadfence();
   __syncthreads();
   const int tid = threadIdx.y * blockDim.x + t;
   const unsigned int blocks = gridDim.x * gridDim.y;
-  // the ticket wraps back to 0 after the last block: the counter is ready for the next launch
   if (tid == 0) is_last = atomicInc(counter, blocks - 1) == blocks - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const volatile C* src = partial ? partial : accum;
-  const cl_i64 rows = partial ? gridDim.x : 1;  // partial rows (one per blockIdx.x)
+  volatile C* acc = accum;
   for (cl_i64 c = tid; c < 2 * N; c += (cl_i64)blockDim.x * blockDim.y) {
-    const bool is_g = c < N;  // columns [0, N): dgamma, [N, 2N): dbeta
+    const bool is_g = c < N;  // [0, N): dgamma, [N, 2N): dbeta
     if (!(is_g ? want_g : want_b)) continue;
-    C s = C(0);
-    for (cl_i64 p = 0; p < rows; p += 8) {
-      C v[8];  // eight loads in flight, then added in row order
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = p + u < rows ? src[(p + u) * 2 * N + c] : C(0);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) s += v[u];
-    }
+    const C s = acc[c];
+    acc[c] = C(0);
     if (is_g) dgamma[c] = Store<W>::cvt(s);
     else dbeta[c - N] = Store<W>::cvt(s);
   }

@@ -300,12 +300,17 @@ def test_one_million_columns(op):
 # --------------------------------------------------------------------------- graphs, warmup
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("M,N", [(300, 1000), (64, 512)])  # two kernels; one (folded)
-def test_cuda_graph_capture_and_replay(deterministic, M, N):
+@pytest.mark.parametrize("flush", ["default", "deterministic", "atomic"])
+@pytest.mark.parametrize("M,N", [(300, 1000), (64, 512)])
+def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N):
     """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on
     another stream while the same signature runs on the capturing one): the results match the
     reference on the new inputs. A pool of its own keeps the captured buffers."""
+    from cupyln import _launch
+
+    deterministic = flush == "deterministic"
+    monkeypatch.setattr(_launch, "ATOMIC_FLUSH", flush == "atomic")
+    _launch.clear_caches()
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
     xh, dyh, gh, bh = inputs(M, N, F16, F32)
@@ -341,12 +346,14 @@ def test_cuda_graph_capture_and_replay(deterministic, M, N):
                                 (dg, rdg, "dgamma"), (db, rdb, "dbeta")):
             assert_close(out, want, name)
         assert_close(dx, rdx, "dx", dx_floor(dyh2, gh, rstd))
+    _launch.clear_caches()
 
 
-def test_concurrent_streams_each_get_correct_gradients():
-    """Small backwards (one kernel, which picks its last block by a counter) running on several
-    streams at once: every call's dgamma/dbeta are those of its own inputs."""
-    M, N = 48, 768
+@pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024)])
+def test_concurrent_streams_each_get_correct_gradients(atomic_flush, M, N):
+    """Atomic-flush backwards (one kernel; the last block found by a counter, which it leaves
+    zeroed with the sums) running on several streams at once: every call's dgamma/dbeta are
+    those of its own inputs."""
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
     cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
     results = [[] for _ in streams]

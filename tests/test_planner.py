@@ -31,27 +31,6 @@ def test_row_geometry_covers_the_row_with_whole_warps(nvec, warp, M, blocks):
             assert smaller * g.npt < nvec
 
 
-@given(st.integers(1, 1 << 16), WARPS, st.integers(1, 1 << 16), st.integers(1, 200))
-def test_folded_backward_is_one_wave_of_whole_warps(nvec, warp, M, sms):
-    g = _launch.row_geometry(nvec, warp, _launch.BWD_NPT_MIN, _launch.BWD_NPT,
-                             _launch.BWD_TPR_MAX, _launch.BWD_BLOCK)
-    N = 8 * nvec
-    f = _launch._fold(g, M, N, warp, sms)
-    if f is None:
-        return
-    assert (f.tpr, f.npt, f.fits) == (g.tpr, 1, True)
-    P = -(-M // f.rpb)  # blocks, each summing its rows' partials into one row of the scratch
-    assert P <= sms and P * 2 * N <= _launch.BWD_FOLD_ELEMS
-    assert f.tpr * f.rpb <= _launch.BWD_FOLD_BLOCK and (f.tpr * f.rpb) % warp == 0
-
-
-def test_small_benchmark_backwards_are_folded():
-    for M, N in ((32, 512), (96, 768), (192, 1024)):  # float16 / bfloat16: 8 per vector
-        g = _launch.row_geometry(N // 8, 32, _launch.BWD_NPT_MIN, _launch.BWD_NPT,
-                                 _launch.BWD_TPR_MAX, _launch.BWD_BLOCK)
-        assert _launch._fold(g, M, N, 32, 132) is not None
-
-
 def _addresses(a):
     idx = np.indices(a.shape).reshape(a.ndim, -1)
     return a.__array_interface__["data"][0] + (np.array(a.strides)[:, None] * idx).sum(0)
