@@ -17,7 +17,7 @@ SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
           ("rmsnorm", 32, 512, "float16")]
 # cupyln planner variants: _launch constants set for the case (the others keep their values)
 VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False},
-            "cupyln atomic flush": {"ATOMIC_FLUSH_BLOCKS": 1 << 30}}
+            "cupyln atomic flush": {"ATOMIC_FLUSH": True}}
 FLUSH = "l2_flush"
 
 

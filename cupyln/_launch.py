@@ -24,11 +24,12 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _span
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
-# Forward with small M (every row's threads resident at once with one vector per thread): one
-# vector per thread, so rows get more threads and each thread a shorter chain, and the kernel
-# holds gamma/beta in registers from its start (NPT = 1). Nsight Compute (S3-12): at 32x512 and
-# 192x1024 our 4-vector forward kernels took 4.8 / 6.0 us against Liger's 2.9 / 3.0 (128-thread
-# rows). NOT YET MEASURED: compare FWD_SMALL_M = False / True with benchmarks/tune.py.
+# Forward with small M (one vector per thread fills at most a quarter of the GPU's thread
+# slots): one vector per thread, so rows get more threads and each thread a shorter chain, and
+# the kernel holds gamma/beta in registers from its start (NPT = 1). Nsight Compute kernel
+# durations (S4-3, small_kernels.py), on / off: 32x512 f16 4.77 / 5.44 us, 96x768 f16 4.54 /
+# 5.66, 192x1024 bf16 4.99 / 5.89, RMSNorm 32x512 3.65 / 5.09; at 1024x768 (36% of the slots)
+# 5.76 / 5.73, and 7.3 / 6.8 us in event time (tune.py), hence the quarter.
 FWD_SMALL_M = True
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
@@ -43,12 +44,12 @@ BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
 BWD_SPREAD = 2
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one zeroed 2N vector (the
 # last block casts it and zeroes it again: one kernel), or per-block partials summed in a fixed
-# order by a second kernel. Partials were faster on large grids (tune.py: 4096x1024 f16 26.6 vs
-# 42.9 us, 1151x8192 f16 57 vs 95 us, 16384x8192 bf16 358 vs 397 us: same-address atomics from
-# hundreds of blocks serialize in L2), so the atomic flush is used only by grids of at most
-# ATOMIC_FLUSH_BLOCKS blocks (small M, where the second kernel's launch is what costs), never
-# with deterministic=True (atomics add in any order); ATOMIC_FLUSH = True uses it on every grid.
-ATOMIC_FLUSH, ATOMIC_FLUSH_BLOCKS = False, 0
+# order by a second kernel. On the H200 the partials were faster on almost every shape (tune.py:
+# 4096x1024 f16 26.6 vs 42.9 us, 1151x8192 f16 57 vs 95 us, 16384x8192 bf16 358 vs 397 us:
+# same-address atomics from hundreds of blocks serialize in L2; S4-3, one kernel against two on
+# the small shapes: 32x512 f16 15.8 vs 8.1 us, 192x1024 bf16 40.6 vs 14.2), so both modes use
+# them; the atomic flush stays available and tested.
+ATOMIC_FLUSH = False
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 ROWSUMS_TPR = 1024
 
@@ -197,7 +198,7 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     if FWD_SMALL_M:
         g1 = row_geometry(N // vec, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
-        if g1.fits and M * g1.tpr <= info.sms * info.threads_per_sm:
+        if g1.fits and 4 * M * g1.tpr <= info.sms * info.threads_per_sm:
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
@@ -604,8 +605,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0]) if p is not None]
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
-        blocks = plan.grid[0] * plan.grid[1]
-        partials = deterministic or not (ATOMIC_FLUSH or blocks <= ATOMIC_FLUSH_BLOCKS)
+        partials = deterministic or not ATOMIC_FLUSH
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
                        ldx, lddy, M, N)
         if remember is not None and as_is:
