@@ -210,18 +210,7 @@ norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict
   const bool active = col < 2 * N && out != nullptr;
   C s = C(0);
   if (active) {
-    const C* src = partial + col;
-    const cl_i64 ld = 2 * N;
-    cl_i64 p = threadIdx.y;
-    for (; p + 24 < P; p += 32) {  // four loads in flight, added in the same row order
-      const C a = src[p * ld], b = src[(p + 8) * ld], c = src[(p + 16) * ld],
-              d = src[(p + 24) * ld];
-      s += a;
-      s += b;
-      s += c;
-      s += d;
-    }
-    for (; p < P; p += 8) s += src[p * ld];
+    for (cl_i64 p = threadIdx.y; p < P; p += 8) s += partial[p * 2 * N + col];
   }
   part[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
