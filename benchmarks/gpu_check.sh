@@ -54,7 +54,8 @@ for s in $stages; do
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
            python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
-    small) run small_ncu ncu --csv --metrics gpu__time_duration.sum --print-units base \
+    small) run small_ncu ncu --csv --metrics "$(python3 benchmarks/small_kernels.py --metrics)" \
+             --print-units base \
              --profile-from-start off --log-file "$OUT/small.csv" \
              python3 benchmarks/small_kernels.py "$OUT/small_cases.txt"
       python3 benchmarks/small_kernels.py --table "$OUT/small_cases.txt" "$OUT/small.csv" \

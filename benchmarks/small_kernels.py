@@ -1,31 +1,39 @@
 """Kernel durations of the small benchmark shapes under Nsight Compute: every provider, and
 cupyln with planner variants, one profiled call each after warm-up, behind an L2 flush.
 
-    ncu --csv --metrics gpu__time_duration.sum --profile-from-start off --log-file k.csv \\
-        python benchmarks/small_kernels.py cases.txt
+    ncu --csv --metrics "$(python benchmarks/small_kernels.py --metrics)" \\
+        --profile-from-start off --log-file k.csv python benchmarks/small_kernels.py cases.txt
     python benchmarks/small_kernels.py --table cases.txt k.csv
 
 The first command writes the case of each profiled group to cases.txt; the second sums each
-group's kernels (the flush kernel separates the groups) and prints a table in microseconds.
+group's kernels (the flush kernel separates the groups) and prints a table: microseconds, and
+per kernel the busiest SM's active cycles and the warp instructions executed.
 """
 
 import csv
+import os
 import sys
 
 SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
           ("layernorm", 192, 1024, "bfloat16"), ("layernorm", 1024, 768, "float16"),
           ("rmsnorm", 32, 512, "float16")]
-# cupyln planner variants: _launch constants set for the case (the others keep their values)
-VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False},
-            "cupyln atomic flush": {"ATOMIC_FLUSH": True}}
+# cupyln variants: _launch constants set for the case (the others keep their values), and
+# other kernel sources as in tune.py (CUPYLN_TUNE_SOURCES: name=file pairs)
+VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False}}
+for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
+    name, path = item.split("=", 1)
+    VARIANTS[f"cupyln {name}"] = {"SOURCE": path}
 FLUSH = "l2_flush"
+DURATION, ACTIVE = "gpu__time_duration.sum", "sm__cycles_active.max"
+INSTR = "smsp__inst_executed.sum"
+METRICS = ",".join((DURATION, ACTIVE, INSTR))
 
 
 def run(cases_path):
     import cupy as cp
     import numpy as np
 
-    from cupyln import _launch
+    from cupyln import _compile, _launch
     from cupyln.api import BFLOAT16
     from cupyln.bench import _liger, _torch, cases, make_inputs
 
@@ -34,13 +42,21 @@ def run(cases_path):
                          "for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;"
                          " i < n; i += (long long)gridDim.x * blockDim.x) p[i] = 0; }", FLUSH)
     torch, liger = _torch(), _liger()
-    defaults = {k: getattr(_launch, k) for v in VARIANTS.values() for k in v}
+    defaults = {k: getattr(_launch, k) for v in VARIANTS.values() for k in v if k != "SOURCE"}
+    current = _compile.source
+
+    def use_source(path):
+        _compile.source = current if path is None else (lambda: open(path).read())
+        _compile._module_cache.cache_clear()
+
     labels = []
     for op, M, N, dt in SHAPES:
         x, dy, g, b = make_inputs(M, N, np.dtype(BFLOAT16 if dt == "bfloat16" else dt))
         for name, variant in VARIANTS.items():
             for k, v in {**defaults, **variant}.items():
-                setattr(_launch, k, v)
+                if k != "SOURCE":
+                    setattr(_launch, k, v)
+            use_source(variant.get("SOURCE"))
             _launch.clear_caches()
             peers = (torch, liger) if name == "cupyln" else (None, None)  # peers once per shape
             for (prov, pass_), fn in cases(op, x, dy, g, b, *peers).items():
@@ -54,6 +70,7 @@ def run(cases_path):
                 labels.append(f"{op} {M}x{N} {dt} {pass_} {name if prov == 'cupyln' else prov}")
         for k, v in defaults.items():
             setattr(_launch, k, v)
+        use_source(None)
         _launch.clear_caches()
     with open(cases_path, "w") as f:
         f.write("\n".join(labels) + "\n")
@@ -62,19 +79,24 @@ def run(cases_path):
 def table(cases_path, csv_path):
     labels = open(cases_path).read().split("\n")[:-1]
     lines = [ln for ln in open(csv_path) if ln.startswith('"')]
-    groups = []
+    kernels = {}  # ID -> (name, {metric: value})
     for row in csv.DictReader(lines):
-        if row["Metric Name"] != "gpu__time_duration.sum":
-            continue
-        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
-                 "ms": 1e3}[row["Metric Unit"]]
-        if row["Kernel Name"].startswith(FLUSH):
+        value = float(row["Metric Value"].replace(",", ""))
+        if row["Metric Name"] == DURATION:
+            value *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
+                      "ms": 1e3}[row["Metric Unit"]]
+        kernels.setdefault(int(row["ID"]), (row["Kernel Name"], {}))[1][row["Metric Name"]] = value
+    groups = []
+    for _, (name, m) in sorted(kernels.items()):
+        if name.startswith(FLUSH):
             groups.append([])
         elif groups:
-            groups[-1].append(float(row["Metric Value"].replace(",", "")) * scale)
+            groups[-1].append(m)
+    print(f"{'case':<52} {'us':>6}  per kernel: us / busiest SM's active cycles / warp instr.")
     for label, ks in zip(labels, groups, strict=False):
-        parts = " + ".join(f"{k:.2f}" for k in ks)
-        print(f"{label:<52} {sum(ks):6.2f} us  ({parts})")
+        parts = " + ".join(f"{k.get(DURATION, 0):.2f}/{k.get(ACTIVE, 0):.0f}/{k.get(INSTR, 0):.0f}"
+                           for k in ks)
+        print(f"{label:<52} {sum(k.get(DURATION, 0) for k in ks):6.2f}  ({parts})")
     if len(labels) != len(groups):
         print(f"warning: {len(labels)} cases but {len(groups)} profiled groups")
 
@@ -82,5 +104,7 @@ def table(cases_path, csv_path):
 if __name__ == "__main__":
     if sys.argv[1] == "--table":
         table(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "--metrics":
+        print(METRICS)
     else:
         run(sys.argv[1])

@@ -114,6 +114,14 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   for (int k = 0; k < NPT; ++k) {
     // the block's sums of this vector's columns: to this block's partial row, or atomics
     const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;
+    // one row per block: the thread's columns as vectors (NPT == 1: two vectors spilled)
+    if (NPT == 1 && partial && blockDim.y == 1) {
+      const cl_i64 col = base + (cl_i64)t * VEC;
+      C* pr = partial + (cl_i64)blockIdx.x * 2 * N;
+      if (col < N && want_g) store_vec<VEC>(pr + col, acc_g[k]);
+      if (col < N && want_b) store_vec<VEC>(pr + N + col, acc_b[k]);
+      continue;
+    }
     auto flush_to = [&](cl_i64 off) {
       return [&, off](int c, C s) {
         const cl_i64 col = base + c;

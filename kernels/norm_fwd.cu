@@ -14,9 +14,12 @@
 // per chunk, one barrier each (phase 2c and 2c + 1 alternate the buffers). Measured on the H200
 // (tune.py, one machine) against merging per-warp (count, mean, M2) after one barrier: 131072x4096
 // bf16 559 vs 620 us, 16384x8192 bf16 159 vs 173 us.
-template <bool LN, int WARP, int VEC, int NPT, typename R, typename C>
+// A row of one chunk (CHUNKED = false) takes the chunk's statistics as they are, with
+// `inv_cnt` = 1 / N: no division and no merge on the row's critical path.
+template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, typename R, typename C>
 __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64 N,
-                                            cl_i64 chunk, int phase, C& n, C& mean, C& m2) {
+                                            cl_i64 chunk, int phase, C inv_cnt, C& n, C& mean,
+                                            C& m2) {
   C s[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k)
@@ -33,7 +36,7 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
     return;
   }
   const C cnt = (C)(N - c0 < chunk ? N - c0 : chunk);
-  const C cm = s[0] / cnt;
+  const C cm = CHUNKED ? s[0] / cnt : s[0] * inv_cnt;
   C q[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
@@ -46,8 +49,15 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
     }
   }
   row_allreduce<WARP>(q, 2 * phase + 1);
-  chan_merge(n, mean, m2, cnt, cm, q[0]);
+  if (CHUNKED) {
+    chan_merge(n, mean, m2, cnt, cm, q[0]);
+  } else {
+    mean = cm;
+    m2 = q[0];
+  }
 }
+
+template <bool B> struct BoolC { static constexpr bool value = B; };
 
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded at the kernel's
 // start), else they are read here; they stay packed until used (fewer live registers).
@@ -70,12 +80,22 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
       if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
     }
     C o[VEC];
+    // (x - mean) * (rstd * gamma) + beta: three operations per element (the last two fused),
+    // with the gamma/beta cases unswitched here rather than tested per element
+    auto out = [&](auto G, auto B) {
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      // (x - mean) * (rstd * gamma) + beta: three operations per element
-      const C scale = gamma ? rstd * (C)elem(g, j) : rstd;
-      const C val = ((C)elem(p[k], j) - mu) * scale;
-      o[j] = beta ? val + (C)elem(b, j) : val;
+      for (int j = 0; j < VEC; ++j) {
+        const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
+        const C val = ((C)elem(p[k], j) - mu) * scale;
+        o[j] = decltype(B)::value ? val + (C)elem(b, j) : val;
+      }
+    };
+    if (gamma) {
+      if (beta) out(BoolC<true>(), BoolC<true>());
+      else out(BoolC<true>(), BoolC<false>());
+    } else {
+      if (beta) out(BoolC<false>(), BoolC<true>());
+      else out(BoolC<false>(), BoolC<false>());
     }
     store_vec<VEC>(yr + col, o);
   }
@@ -93,6 +113,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   typedef typename Acc<T>::type C;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
+  const C inv_n = C(1) / (C)N;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
   // One vector per thread (the planner's choice for small M): gamma/beta are read at the start,
@@ -110,10 +131,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
-      chunk_stats<LN, WARP, VEC, NPT>(p, (cl_i64)c * chunk, N, chunk, phase, n, mean, m2);
+      chunk_stats<CHUNKED, LN, WARP, VEC, NPT>(p, (cl_i64)c * chunk, N, chunk, phase, inv_n, n,
+                                               mean, m2);
     }
     const C mu = LN ? mean : C(0);
-    const C rstd = cl_rsqrt(m2 / (C)N + eps);
+    const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (valid && threadIdx.x == 0) {
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
