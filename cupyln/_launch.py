@@ -18,7 +18,7 @@ import numpy as np
 from . import _compile
 from ._compile import ACC_DTYPES, Spec
 from ._driver import Launcher
-from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _span
+from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _param_dtype, _span
 
 # Geometry constants (see row_geometry).
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
@@ -579,7 +579,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         norm_shape = x.shape[x.ndim - k :]
         M = math.prod(x.shape[: x.ndim - k])
         N = math.prod(norm_shape)
-        wdtype = x.dtype if gamma is None else gamma.dtype
+        wdtype = _param_dtype(gamma, x.dtype)
         if not (need_dx or need_dgamma or need_dbeta):
             return None, None, None
         want = (need_dx, need_dgamma, need_dbeta)
