@@ -6,8 +6,8 @@
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py), tune (benchmarks/tune.py) and ncu (Nsight
 #   Compute sections of one forward and backward, benchmarks/ncu_case.py; NCU_CASE="op M N dtype")
-#   and small (kernel durations of the small shapes under Nsight Compute, all providers and
-#   planner variants, benchmarks/small_kernels.py)
+#   small (kernel durations of the small shapes under Nsight Compute, all providers and
+#   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -54,12 +54,12 @@ for s in $stages; do
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
            python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
-    small) run small_ncu ncu --csv --metrics "$(python3 benchmarks/small_kernels.py --metrics)" \
-             --print-units base \
-             --profile-from-start off --log-file "$OUT/small.csv" \
-             python3 benchmarks/small_kernels.py "$OUT/small_cases.txt"
-      python3 benchmarks/small_kernels.py --table "$OUT/small_cases.txt" "$OUT/small.csv" \
-        >"$OUT/small.log" 2>&1 ;;
+    small|stalls) set=$([ "$s" = stalls ] && echo stalls)
+      run "${s}_ncu" ncu --csv --metrics "$(python3 benchmarks/small_kernels.py --metrics $set)" \
+        --print-units base --profile-from-start off --log-file "$OUT/$s.csv" \
+        python3 benchmarks/small_kernels.py "$OUT/${s}_cases.txt"
+      python3 benchmarks/small_kernels.py --table "$OUT/${s}_cases.txt" "$OUT/$s.csv" \
+        >"$OUT/$s.log" 2>&1 ;;
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   esac
 done
@@ -68,6 +68,7 @@ echo; echo "==== failures (first lines) ===="
 grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
 [ -f "$OUT/tune.log" ] && { echo; echo "==== tune ===="; cat "$OUT/tune.log"; }
 [ -f "$OUT/small.log" ] && { echo; echo "==== small (ncu kernel durations) ===="; cat "$OUT/small.log"; }
+[ -f "$OUT/stalls.log" ] && { echo; echo "==== stalls (ncu, small shapes) ===="; cat "$OUT/stalls.log"; }
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
 # At most 8 files come back from the device tool: every log goes into one archive.

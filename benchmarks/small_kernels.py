@@ -7,7 +7,9 @@ cupyln with planner variants, one profiled call each after warm-up, behind an L2
 
 The first command writes the case of each profiled group to cases.txt; the second sums each
 group's kernels (the flush kernel separates the groups) and prints a table: microseconds, and
-per kernel the busiest SM's active cycles and the warp instructions executed.
+per kernel the busiest SM's active cycles and the warp instructions executed. With `--metrics
+stalls` instead, the kernels' warp stall reasons (cycles per issued instruction, by reason) are
+collected, and the table lists them per kernel.
 """
 
 import csv
@@ -27,6 +29,11 @@ FLUSH = "l2_flush"
 DURATION, ACTIVE = "gpu__time_duration.sum", "sm__cycles_active.max"
 INSTR = "smsp__inst_executed.sum"
 METRICS = ",".join((DURATION, ACTIVE, INSTR))
+_STALL = "smsp__average_warps_issue_stalled_"
+STALLS = ["long_scoreboard", "short_scoreboard", "wait", "barrier", "no_instruction", "imc_miss",
+          "membar", "drain"]
+STALL_METRICS = ",".join([f"{_STALL}{r}_per_issue_active.ratio" for r in STALLS]
+                         + ["smsp__average_warps_active_per_issue_active.ratio"])
 
 
 def run(cases_path):
@@ -92,6 +99,15 @@ def table(cases_path, csv_path):
             groups.append([])
         elif groups:
             groups[-1].append(m)
+    if groups and groups[0] and DURATION not in groups[0][0]:  # stall reasons
+        total = "smsp__average_warps_active_per_issue_active.ratio"
+        print(f"{'case':<52} cycles per issued instruction: total ({', '.join(STALLS)})")
+        for label, ks in zip(labels, groups, strict=False):
+            for k in ks:
+                parts = " ".join(f"{k.get(f'{_STALL}{r}_per_issue_active.ratio', 0):.1f}"
+                                 for r in STALLS)
+                print(f"{label:<52} {k.get(total, 0):5.1f} ({parts})")
+        return
     print(f"{'case':<52} {'us':>6}  per kernel: us / busiest SM's active cycles / warp instr.")
     for label, ks in zip(labels, groups, strict=False):
         parts = " + ".join(f"{k.get(DURATION, 0):.2f}/{k.get(ACTIVE, 0):.0f}/{k.get(INSTR, 0):.0f}"
@@ -105,6 +121,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "--table":
         table(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--metrics":
-        print(METRICS)
+        print(STALL_METRICS if sys.argv[2:] == ["stalls"] else METRICS)
     else:
         run(sys.argv[1])
