@@ -12,9 +12,9 @@ import cupy as cp
 from cupyln import _check, _launch
 
 CASES = [  # (op, M, N, dtype, param dtype)
-    ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block; folded
+    ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
     ("rmsnorm", 9, 24, "bfloat16", None),
-    ("layernorm", 33, 1000, "float32", None),        # one block per row; folded backward
+    ("layernorm", 33, 1000, "float32", None),        # one block per row
     ("rmsnorm", 33, 1000, "float16", None),
     ("layernorm", 5, 40000, "float16", None),        # several chunks; long-row backward
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
