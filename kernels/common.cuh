@@ -266,19 +266,14 @@ __device__ __forceinline__ void chan_merge(C& n, C& mean, C& m2, C nb, C mb, C m
   n = tot;
 }
 
-// Column sums over the blockDim.y rows of a block, each in a fixed order (row 0, 1, ...): the
-// threads put their V consecutive columns in `buf` (blockDim.x * blockDim.y * V values), then
-// all threads of the block share the blockDim.x * V columns, so no thread sums alone. Calls
-// emit(column, sum) once per column, from the thread that summed it (columns relative to the
-// block's first). Every thread of the block must call it.
+// Column sums over the blockDim.y (> 1) rows of a block, each in a fixed order (row 0, 1, ...):
+// the threads put their V consecutive columns in `buf` (blockDim.x * blockDim.y * V values),
+// then all threads of the block share the blockDim.x * V columns, so no thread sums alone.
+// Calls emit(column, sum) once per column, from the thread that summed it (columns relative to
+// the block's first). Every thread of the block must call it.
 template <int V, typename C, typename F>
 __device__ __forceinline__ void block_column_sums(const C (&v)[V], C* buf, F emit) {
   const int tpr = blockDim.x, rows = blockDim.y;
-  if (rows == 1) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) emit(threadIdx.x * V + j, v[j]);
-    return;
-  }
   const int cols = tpr * V;
   __syncthreads();  // buf may still be read by the previous call's threads
 #pragma unroll

@@ -110,25 +110,33 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
 
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
   C* buf = reinterpret_cast<C*>(cl_smem);
+  C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;  // this block's partials
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
-    // the block's sums of this vector's columns: to this block's partial row, or atomics
-    const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;
-    // one row per block: the thread's columns go out as vectors, not 2 * VEC scattered scalar
-    // stores (S4-8: N = 8192 backwards 15-30% faster); only with one vector per thread, where
-    // ptxas keeps it free of spills
-    if (NPT == 1 && partial && blockDim.y == 1) {
+    const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;  // first column of vector k
+    if (blockDim.y == 1) {
+      // one row per block: the thread's own columns, partials as one vector store each (S4-8:
+      // scattered scalar stores had cost the N = 8192 backwards 15-30%)
       const cl_i64 col = base + (cl_i64)t * VEC;
-      C* pr = partial + (cl_i64)blockIdx.x * 2 * N;
-      if (col < N && want_g) store_vec<VEC>(pr + col, acc_g[k]);
-      if (col < N && want_b) store_vec<VEC>(pr + N + col, acc_b[k]);
+      if (col >= N) continue;
+      if (partial) {
+        if (want_g) store_vec<VEC>(prow + col, acc_g[k]);
+        if (want_b) store_vec<VEC>(prow + N + col, acc_b[k]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
+          if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
+        }
+      }
       continue;
     }
+    // several rows: summed over the block's rows first (uniform branch: every thread is here)
     auto flush_to = [&](cl_i64 off) {
       return [&, off](int c, C s) {
         const cl_i64 col = base + c;
         if (col >= N) return;
-        if (partial) partial[(cl_i64)blockIdx.x * 2 * N + off + col] = s;
+        if (partial) prow[off + col] = s;
         else atomicAdd(accum + off + col, s);
       };
     };
