@@ -102,21 +102,44 @@ __device__ __forceinline__ float half_of(unsigned int w, bool hi) {
 #endif
 }
 
+// The 16-bit value of type T in half `hi` of a word, converted (bfloat16: a shift or a mask;
+// float16: one conversion).
+template <typename T>
+__device__ __forceinline__ float half_value(unsigned int w, bool hi) {
+  if constexpr (Store<T>::is_bf16)
+    return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
+  else
+    return half_of(w, hi);
+}
+
 // Element j of a pack, converted to the accumulation type. 16-bit pairs are read as the 32-bit
-// word holding them (bfloat16: a shift or a mask; float16: one conversion), never as 16-bit
-// halves: those cost a byte-permute instruction each (seen in the backward's SASS).
+// word holding them, never as 16-bit halves: those cost a byte-permute instruction each (seen in
+// the backward's SASS).
 template <typename T, int V>
 __device__ __forceinline__ typename Acc<T>::type elem(const Pack<T, V>& p, int j) {
-  if constexpr (sizeof(T) == 2 && V % 2 == 0) {
-    const unsigned int w = reinterpret_cast<const unsigned int*>(p.v)[j >> 1];
-    if constexpr (Store<T>::is_bf16)
-      return __uint_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
-    else
-      return half_of(w, j & 1);
-  } else {
+  if constexpr (sizeof(T) == 2 && V % 2 == 0)
+    return half_value<T>(reinterpret_cast<const unsigned int*>(p.v)[j >> 1], j & 1);
+  else
     return (typename Acc<T>::type)to_acc(p.v[j]);
-  }
 }
+
+// A pack of 16-bit values stored as the 32-bit words that hold them: for packs kept in registers
+// across a loop (gamma, beta). A Pack held there is kept one 16-bit member per register, each
+// zero-filled and extracted by a byte-permute that waits for the load; in the small-M forward's
+// SASS those permutes stood between gamma's, beta's and the row's loads, so the three memory
+// trips ran one after another.
+template <typename T, int V> struct alignas(sizeof(T) * V) PackW {
+  unsigned int w[sizeof(T) * V / 4];
+};
+template <typename T, int V>
+__device__ __forceinline__ float elem(const PackW<T, V>& p, int j) {
+  return half_value<T>(p.w[j >> 1], j & 1);
+}
+// The type of a pack held across a loop: words where the pack is 16-bit pairs.
+template <typename T, int V, bool WORDS = sizeof(T) == 2 && V % 2 == 0> struct Held {
+  typedef Pack<T, V> type;
+};
+template <typename T, int V> struct Held<T, V, true> { typedef PackW<T, V> type; };
 
 // V values converted to the accumulation type (a row kept unpacked in registers).
 template <typename C, int V> struct Vals { C v[V]; };
@@ -140,14 +163,15 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
 
 // Raw loads of NPT vectors of a row (zero outside [0, N) and for invalid rows): kept as packed
 // storage while the loads are in flight.
-template <int VEC, int NPT, typename T>
+template <int VEC, int NPT, typename T, typename P>
 __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
-                                           bool valid, Pack<T, VEC> (&p)[NPT]) {
+                                           bool valid, P (&p)[NPT]) {
+  static_assert(sizeof(P) == sizeof(T) * VEC, "a pack is VEC elements of T");
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-    p[k] = Pack<T, VEC>{};
-    if (valid && col < N) p[k] = *reinterpret_cast<const Pack<T, VEC>*>(row + col);
+    p[k] = P{};
+    if (valid && col < N) p[k] = *reinterpret_cast<const P*>(row + col);
   }
 }
 
@@ -164,6 +188,13 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, c
   load_packs<VEC, NPT>(row, c0, N, valid, raw);
 #pragma unroll
   for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
+}
+
+// A hint to fetch the line holding p into L2 (no register waits for it); nothing on HIP.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifndef CLN_HIP
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
 }
 
 // Two floats as one 32-bit word of two 16-bit values (lo first in memory); one instruction.
@@ -230,6 +261,9 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
 // Sum over the row's threads. Rows of several warps exchange warp sums through shared memory
 // with one barrier: `phase` alternates between consecutive calls (the caller's row counter), so
 // a fast warp's next write goes to the other buffer while slow warps still read this one.
+// The row's nw warp sums are then added by log2(P) shuffle steps, P = nw rounded up to a power
+// of two: every group of P lanes reads all of them (zeros past nw), so every lane gets the total,
+// in the same order (a row of 2 warps takes 1 step here instead of the warp's 5).
 template <int WARP, int K, typename C>
 __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   __shared__ C red[2][K][1024 / WARP];
@@ -239,6 +273,8 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
     const int tid = threadIdx.y * tpr + threadIdx.x;
     const int warp = tid / WARP, lane = tid % WARP;
     const int nw = tpr / WARP;
+    const int P = 1 << (32 - __clz(nw - 1));  // nw >= 2
+    const int src = lane & (P - 1);
     if (lane == 0) {
 #pragma unroll
       for (int k = 0; k < K; ++k) red[phase & 1][k][warp] = v[k];
@@ -246,10 +282,13 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
-    for (int o = WARP >> 1; o > 0; o >>= 1) {
+      v[k] = src < nw ? red[phase & 1][k][threadIdx.y * nw + src] : C(0);
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+    for (int o = WARP >> 1; o > 0; o >>= 1) {
+      if (o < P) {  // uniform
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+      }
     }
   }
 }

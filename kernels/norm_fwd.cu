@@ -59,30 +59,22 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
-// Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded at the kernel's
-// start), else they are read here; they stay packed until used (fewer live registers).
-template <bool HELD, int VEC, int NPT, typename T, typename W, typename C, typename R>
+// Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
+// they are read here; they stay packed until used (fewer live registers).
+template <bool HELD, int VEC, int NPT, typename T, typename W, typename C, typename R,
+          typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
                                             C rstd, const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr,
-                                            const Pack<W, VEC> (&hg)[NPT],
-                                            const Pack<W, VEC> (&hb)[NPT]) {
+                                            const H (&hg)[NPT], const H (&hb)[NPT]) {
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int col = c0 + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
     if (col >= N) continue;
-    Pack<W, VEC> g, b;
-    if constexpr (HELD) {
-      g = hg[k];
-      b = hb[k];
-    } else {
-      if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
-      if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
-    }
     C o[VEC];
     // (x - mean) * (rstd * gamma) + beta: three operations per element (the last two fused),
     // with the gamma/beta cases unswitched here rather than tested per element
-    auto out = [&](auto G, auto B) {
+    auto out = [&](const auto& g, const auto& b, auto G, auto B) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
@@ -90,12 +82,22 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
         o[j] = decltype(B)::value ? val + (C)elem(b, j) : val;
       }
     };
-    if (gamma) {
-      if (beta) out(BoolC<true>(), BoolC<true>());
-      else out(BoolC<true>(), BoolC<false>());
+    auto cases = [&](const auto& g, const auto& b) {
+      if (gamma) {
+        if (beta) out(g, b, BoolC<true>(), BoolC<true>());
+        else out(g, b, BoolC<true>(), BoolC<false>());
+      } else {
+        if (beta) out(g, b, BoolC<false>(), BoolC<true>());
+        else out(g, b, BoolC<false>(), BoolC<false>());
+      }
+    };
+    if constexpr (HELD) {
+      cases(hg[k], hb[k]);
     } else {
-      if (beta) out(BoolC<false>(), BoolC<true>());
-      else out(BoolC<false>(), BoolC<false>());
+      Pack<W, VEC> g, b;
+      if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
+      if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
+      cases(g, b);
     }
     store_vec<VEC>(yr + col, o);
   }
@@ -116,12 +118,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   const C inv_n = C(1) / (C)N;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
-  // One vector per thread (the planner's choice for small M): gamma/beta are read at the start,
-  // together with the first row, instead of after its reductions.
-  constexpr bool HOLD = !CHUNKED && NPT == 1;
-  Pack<W, VEC> hg[NPT], hb[NPT];
-  if (HOLD && gamma) load_packs<VEC, NPT>(gamma, 0, N, true, hg);
-  if (HOLD && beta) load_packs<VEC, NPT>(beta, 0, N, true, hb);
+  // One vector per thread (the planner's choice for small M): gamma/beta are read right after
+  // the row, so the three loads are in flight together, instead of after the row's reductions.
+  // (Loaded once before the loop, their conversions were hoisted above the row's load and waited
+  // for them: two memory trips in a row, in the SASS.)
+  constexpr bool EARLY = !CHUNKED && NPT == 1;
+  typename Held<W, VEC>::type hg[NPT], hb[NPT];
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
@@ -131,6 +133,10 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      if (EARLY) {  // predicated, not branched: a branch let a conversion of x wait before it
+        load_packs<VEC, NPT>(gamma, 0, N, gamma != nullptr, hg);
+        load_packs<VEC, NPT>(beta, 0, N, beta != nullptr, hb);
+      }
       chunk_stats<CHUNKED, LN, WARP, VEC, NPT>(p, (cl_i64)c * chunk, N, chunk, phase, inv_n, n,
                                                mean, m2);
     }
@@ -142,7 +148,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     }
     for (int c = 0; c < nchunks && valid; ++c) {
       if (CHUNKED) load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
-      write_chunk<HOLD, VEC, NPT>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N,
+      write_chunk<EARLY, VEC, NPT>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N,
                                   hg, hb);
     }
   }
