@@ -1,11 +1,19 @@
-"""Where the host time of a hot call goes: the cost of the pieces a call is built from, then
-cProfile of 2,000 calls at 32x512 float16."""
+"""Where the host time of a hot call goes: the cost of the pieces a call is built from, the
+calls themselves (default and with out=; also those of another copy of the package, to compare
+host paths in one process), then cProfile of 2,000 calls at 32x512 float16.
+
+    python benchmarks/hostprof.py                 # this package
+    python benchmarks/hostprof.py OLD_DIR         # and OLD_DIR/cupyln_old (a renamed copy)
+"""
 
 import cProfile
+import importlib
 import pstats
+import sys
 
 import cupy as cp
 import numpy as np
+from cupy_backends.cuda.api import driver as drv
 
 import cupyln
 from cupyln import _launch
@@ -18,6 +26,9 @@ y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
 k = cp.RawKernel('extern "C" __global__ void nop(const void* a, long long n, float e) {}', "nop")
 k((1,), (32,), (x, np.int64(3), np.float32(1)))
 lk = Launcher(k, (1,), (32,), 0, "pif")
+lk._pack(lk._buf, 0, x.data.ptr, 3, 1.0)
+dims = lk._dims
+params = lk._params_ptr
 mem = cp.cuda.alloc(1 << 16)
 xp = x.data.ptr
 pieces = {
@@ -28,22 +39,43 @@ pieces = {
     "runtime.getDevice": cp.cuda.runtime.getDevice,
     "get_current_stream().ptr": lambda: cp.cuda.get_current_stream().ptr,
     "x.data.ptr": lambda: x.data.ptr,
+    "signature of x": lambda: (type(x), x.shape, x.strides, x.dtype, x.data.device_id),
     "RawKernel launch (3 args)": lambda: k((1,), (32,), (x, np.int64(3), np.float32(1))),
+    "driver.launchKernel (args packed)": lambda: drv.launchKernel(*dims, 0, params, 0),
     "Launcher launch (3 args)": lambda: lk(0, xp, 3, 1.0),
     "runtime.streamIsCapturing": lambda: cp.cuda.runtime.streamIsCapturing(0),
-    "layer_norm_fwd": lambda: cupyln.layer_norm_fwd(x, g, b),
-    "layer_norm_bwd": lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd),
 }
 for name, fn in pieces.items():
-    print(f"{name:<32} {per_call(fn):7.2f} us")
+    print(f"{name:<36} {per_call(fn):7.2f} us")
+
+
+def calls(pkg):
+    fo = (cp.empty_like(x), cp.empty(32, cp.float32), cp.empty(32, cp.float32))
+    bo = (cp.empty_like(x), cp.empty_like(g), cp.empty_like(b))
+    return {"fwd": lambda: pkg.layer_norm_fwd(x, g, b),
+            "bwd": lambda: pkg.layer_norm_bwd(dy, x, g, mean, rstd),
+            "fwd out=": lambda: pkg.layer_norm_fwd(x, g, b, out=fo),
+            "bwd out=": lambda: pkg.layer_norm_bwd(dy, x, g, mean, rstd, out=bo),
+            "rms fwd": lambda: pkg.rms_norm_fwd(x, g),
+            "rms bwd": lambda: pkg.rms_norm_bwd(dy, x, g, rstd)}
+
+
+pkgs = {"cupyln": cupyln}
+if len(sys.argv) > 1:
+    sys.path.insert(0, sys.argv[1])
+    pkgs["cupyln_old"] = importlib.import_module("cupyln_old")
+table = {name: calls(p) for name, p in pkgs.items()}
+for _ in range(3):  # alternate the packages: the host's speed drifts during a run
+    for name, fns in table.items():
+        print(f"{name:<11} " + "  ".join(f"{c} {per_call(fn):6.2f}" for c, fn in fns.items())
+              + " us")
 _launch.ATOMIC_FLUSH = True  # one kernel: the atomic flush
 _launch.clear_caches()
-print(f"{'layer_norm_bwd (atomic flush)':<32} "
+print(f"{'layer_norm_bwd (atomic flush)':<36} "
       f"{per_call(lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd)):7.2f} us")
 _launch.ATOMIC_FLUSH = False
 _launch.clear_caches()
-for name, fn in (("fwd", lambda: cupyln.layer_norm_fwd(x, g, b)),
-                 ("bwd", lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd))):
+for name, fn in list(table["cupyln"].items())[:2]:
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(2000):

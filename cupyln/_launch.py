@@ -302,23 +302,45 @@ def _flat(p):
 
 
 class _Layout:
-    """Arrays laid one after another (256-byte aligned) in one pool allocation: one allocation
-    per call instead of one per output. ``parts`` are (shape, dtype) pairs."""
+    """Arrays laid one after another (256-byte aligned) in one pool allocation, then scratch
+    buffers the kernels use but the caller does not get (their addresses only: no arrays made).
+    One allocation per call instead of one per output. ``parts`` are (shape, dtype) pairs,
+    ``scratch`` byte counts."""
 
-    __slots__ = ("parts", "nbytes")
+    __slots__ = ("parts", "scratch", "nbytes")
 
-    def __init__(self, parts):
+    def __init__(self, parts, scratch=()):
         self.parts, off = [], 0
         for shape, dtype in parts:
             self.parts.append((tuple(shape), dtype, off))
             off += _round_up(math.prod(shape) * dtype.itemsize, 256)
+        self.scratch = []
+        for nbytes in scratch:
+            self.scratch.append(off)
+            off += _round_up(nbytes, 256)
         self.nbytes = off
 
     def make(self):
-        if not self.parts:
-            return []
-        mem = cp.cuda.alloc(self.nbytes)
-        return [cp.ndarray(shape, dtype, mem + off) for shape, dtype, off in self.parts]
+        """The new arrays, and the allocation (None when there is nothing to allocate), whose
+        ``ptr`` plus the ``scratch`` offsets address the scratch buffers."""
+        if not self.nbytes:
+            return [cp.ndarray(shape, dtype) for shape, dtype, _ in self.parts], None
+        mem = _alloc(self.nbytes)
+        return [_ndarray(shape, dtype, mem + off if off else mem)
+                for shape, dtype, off in self.parts], mem
+
+
+_alloc, _ndarray = cp.cuda.alloc, cp.ndarray
+_get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
+_is_capturing = cp.cuda.runtime.streamIsCapturing
+# Scratch-only allocations of calls captured into CUDA graphs: a replay writes to them, so they
+# must outlive the call (an allocation that also holds an output lives as long as the output).
+_CAPTURED = []
+
+
+def _keep_if_captured(mem, stream):
+    if mem is not None and _is_capturing(stream):
+        _CAPTURED.append(mem)
 
 
 def _fill(given, new):
@@ -336,28 +358,32 @@ def _ptr(a):
 class _Extents:
     """Overlap check of ``out=`` arrays on remembered calls: each argument's byte range relative
     to its pointer depends only on the signature, so it is computed on the first check and then
-    only the pointers are read."""
+    only the pointers are read; the pointers of the last call that passed are remembered, so a
+    call with the same buffers (a training loop) compares one tuple."""
 
-    __slots__ = ("ranges",)
+    __slots__ = ("ranges", "passed")
 
     def __init__(self):
-        self.ranges = None
+        self.ranges = self.passed = None
 
-    def overlap(self, outs, ins):
-        """Whether a non-empty given output touches an input or another output."""
+    def overlap(self, outs, ins, ptrs):
+        """Whether a non-empty given output touches an input or another output. ``ptrs``: the
+        pointers of ``ins`` and ``outs`` (0 for None), in that order."""
+        if ptrs == self.passed:
+            return False
         arrays = [a if a is not None and a.size else None for a in (*ins, *outs)]
         if self.ranges is None:
             self.ranges = [None if a is None else tuple(e - a.data.ptr for e in _span(a))
                            for a in arrays]
         spans = []
-        for i, (a, r) in enumerate(zip(arrays, self.ranges, strict=True)):
+        for i, (a, r, p) in enumerate(zip(arrays, self.ranges, ptrs, strict=True)):
             if a is None:
                 continue
-            p = a.data.ptr
             lo, hi = p + r[0], p + r[1]
             if i >= len(ins) and any(lo < h and l_ < hi for l_, h in spans):
                 return True
             spans.append((lo, hi))
+        self.passed = ptrs
         return False
 
 
@@ -386,14 +412,15 @@ class _on_device:
 # kernel arguments. Calling it costs the pointer reads, one allocation and the launches. It
 # returns None (the caller then takes the general path) when this call's pointers do not suit
 # the plan's vector width, an out= array overlaps an input, or another device is current.
+# (Every step here is per call: hostprof.py measures them.)
 
 
 class _HotFwd:
-    __slots__ = ("dev", "plan", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
+    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
-        self.dev, self.plan, self.is_ln = dev, plan, is_ln
+        self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
         self.layout = _Layout([p for i, p in enumerate(parts)
                                if self.given is None or not self.given[i]])
@@ -404,94 +431,99 @@ class _HotFwd:
         self.wmask = v * plan.spec.wdtype.itemsize - 1
 
     def __call__(self, x, gamma, beta, out):
-        if cp.cuda.runtime.getDevice() != self.dev:
+        if _get_device() != self.dev:
             return None
-        xp, gp, bp = x.data.ptr, _ptr(gamma), _ptr(beta)
-        outs = _fill(out if self.given else None, self.layout.make())
+        xp = x.data.ptr
+        gp = 0 if gamma is None else gamma.data.ptr
+        bp = 0 if beta is None else beta.data.ptr
+        outs = self.layout.make()[0]
+        if self.given:
+            outs = _fill(out, outs)
         y, rstd = outs[0], outs[-1]
         mean = outs[1] if self.is_ln else None
-        if (xp | y.data.ptr) & self.xmask or (gp | bp) & self.wmask:
+        yp, mp, rp = y.data.ptr, 0 if mean is None else mean.data.ptr, rstd.data.ptr
+        if (xp | yp) & self.xmask or (gp | bp) & self.wmask:
             return None
-        if self.given and self.ext.overlap(out, (x, gamma, beta)):
+        if self.given and self.ext.overlap(out, (x, gamma, beta), (xp, gp, bp, *map(_ptr, out))):
             return None
         ldx, M, N, eps = self.consts
-        self.plan.launch["fwd"](cp.cuda.get_current_stream().ptr, xp, ldx, gp, bp, y.data.ptr,
-                                _ptr(mean), rstd.data.ptr, M, N, eps)
+        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps)
         return (y, mean, rstd) if self.is_ln else (y, rstd)
 
 
 class _HotBwd:
-    __slots__ = ("dev", "plan", "layout", "given", "want", "consts", "xmask", "wmask", "scratch",
-                 "atomic", "acc_bytes", "ext")
+    __slots__ = ("dev", "launch", "layout", "given", "want", "consts", "xmask", "wmask",
+                 "atomic", "acc_bytes", "ext", "rowsums", "partial", "reduce", "scratch_only")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
                  M, N):
         acc = ACC_DTYPES[plan.spec.dtype]
         parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
-        self.dev, self.plan, self.want = dev, plan, want
+        self.dev, self.want = dev, want
+        self.launch = plan.launch
         self.given = given if given and any(given) else None  # which outputs out= gives
         new = [p for i, p in enumerate(parts)
                if want[i] and (self.given is None or not self.given[i])]
-        # scratch after the outputs, in the same allocation (held while the outputs live):
-        # the dgamma/dbeta partials of each block, and the row sums of long rows
+        # scratch after the outputs, in the same allocation (held while the outputs live): the
+        # dgamma/dbeta partials of each block, the row sums of long rows, and (only while a graph
+        # is being captured) the atomic flush's zeroed counter and sums (see _atomic_scratch)
         P = plan.grid[0]
         params = want[1] or want[2]
-        self.scratch = (params and partials, "rowsums" in plan.launch)
         self.atomic = params and not partials
-        if self.scratch[0]:
-            new.append(((P, 2 * N), acc))
-        if self.scratch[1]:
-            new.append(((M, 2), acc))
-        # the atomic flush's zeroed counter and 2N sums: kept per stream (see _atomic_scratch);
-        # this call's own, in the same allocation, only while a graph is being captured
         self.acc_bytes = _ACC_OFFSET + 2 * N * acc.itemsize
-        if self.atomic:
-            new.append(((self.acc_bytes,), _BYTES))
-        self.layout = _Layout(new)
-        self.consts = (ldx, lddy, M, N, P)
+        scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
+                   "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
+                   "own": self.acc_bytes if self.atomic else 0}
+        self.layout = _Layout(new, [n for n in scratch.values() if n])
+        offs = iter(self.layout.scratch)
+        self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
+        self.reduce = self.partial is not None
+        self.scratch_only = not new and self.layout.nbytes > 0
+        self.consts = (ldx, lddy, M, N, P, own)
         self.ext = _Extents()
         v = plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * wdtype.itemsize - 1
 
     def __call__(self, dy, x, gamma, mean, rstd, out):
-        if cp.cuda.runtime.getDevice() != self.dev:
+        if _get_device() != self.dev:
             return None
-        new = self.layout.make()
-        own = new.pop() if self.atomic else None
-        rowsums = new.pop() if self.scratch[1] else None
-        partial = new.pop() if self.scratch[0] else None
-        it = iter(new)
-        given = (*out, None, None)[:3] if self.given else (None, None, None)  # RMSNorm: 2 given
-        dx, dgamma, dbeta = (
-            (next(it) if g is None else g) if w else None
-            for w, g in zip(self.want, given, strict=True)
-        )
-        dyp, xp, gp, dxp = dy.data.ptr, x.data.ptr, _ptr(gamma), _ptr(dx)
-        dgp, dbp = _ptr(dgamma), _ptr(dbeta)
+        new, mem = self.layout.make()
+        given = (*out, None, None)[:3] if self.given else _NONE3  # RMSNorm: 2 given
+        it, want = iter(new), self.want
+        dx = (next(it) if given[0] is None else given[0]) if want[0] else None
+        dgamma = (next(it) if given[1] is None else given[1]) if want[1] else None
+        dbeta = (next(it) if given[2] is None else given[2]) if want[2] else None
+        dyp, xp, gp = dy.data.ptr, x.data.ptr, 0 if gamma is None else gamma.data.ptr
+        dxp, dgp, dbp = _ptr(dx), _ptr(dgamma), _ptr(dbeta)
         if (dyp | xp | dxp) & self.xmask or gp & self.wmask:
             return None
-        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd)):
+        mp, rp = 0 if mean is None else mean.data.ptr, rstd.data.ptr
+        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd),
+                                           (dyp, xp, gp, mp, rp, *map(_ptr, given))):
             return None
-        ldx, lddy, M, N, P = self.consts
-        mp, rp, rsp = _ptr(mean), rstd.data.ptr, _ptr(rowsums)
-        launch = self.plan.launch
-        stream = cp.cuda.get_current_stream().ptr
-        if rowsums is not None:
+        ldx, lddy, M, N, P, own = self.consts
+        base = 0 if mem is None else mem.ptr
+        rsp = 0 if self.rowsums is None else base + self.rowsums
+        launch = self.launch
+        stream = _current_stream().ptr
+        if self.scratch_only:
+            _keep_if_captured(mem, stream)
+        if rsp:
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
-        pp = _ptr(partial)
+        pp = 0 if self.partial is None else base + self.partial
         cnt = ap = 0
         if self.atomic:  # float32 atomics into zeroed sums, the last block by a counter
-            cnt = _atomic_scratch(self.dev, stream, self.acc_bytes, own)
+            cnt = _atomic_scratch(self.dev, stream, self.acc_bytes, base + own)
             ap = cnt + _ACC_OFFSET
         launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M,
                       N)
-        if partial is not None:
+        if self.reduce:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
 
 
-_BYTES = np.dtype(np.uint8)
+_NONE3 = (None, None, None)
 _ACC_OFFSET = 256  # the counter, then the sums (256-byte aligned)
 _SCRATCH = {}  # (device, stream) -> zeroed memory of the atomic flush
 
@@ -500,11 +532,11 @@ def _atomic_scratch(dev, stream, nbytes, own):
     """Address of ``nbytes`` of zeroed memory (a ticket counter, then the sums) for an atomic
     flush on ``stream``. The kernel leaves it zeroed again, so launches on one stream (which run
     in order) share one; launches on other streams, which may run at the same time, have their
-    own. A call being captured into a CUDA graph uses ``own`` (its scratch), zeroed by a memset
-    captured with it: the graph may be replayed on any stream."""
-    if cp.cuda.runtime.streamIsCapturing(stream):
-        cp.cuda.runtime.memsetAsync(own.data.ptr, 0, nbytes, stream)
-        return own.data.ptr
+    own. A call being captured into a CUDA graph uses ``own`` (the address of its own scratch),
+    zeroed by a memset captured with it: the graph may be replayed on any stream."""
+    if _is_capturing(stream):
+        cp.cuda.runtime.memsetAsync(own, 0, nbytes, stream)
+        return own
     mem = _SCRATCH.get((dev, stream))
     if mem is None or mem.mem.size < nbytes:
         # a larger one, zeroed on this stream before the kernel that first uses it; the one it
@@ -550,7 +582,7 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None):
         if not M:
             parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
             outs = _fill(out, _Layout([p for p, o in zip(parts, out or (None,) * len(parts),
-                                                          strict=True) if o is None]).make())
+                                                          strict=True) if o is None]).make()[0])
             return tuple(outs) if is_ln else (outs[0], outs[-1])
         as_is = gamma is None or beta is None or gamma.dtype == beta.dtype
         if not as_is:
@@ -587,7 +619,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
             parts = [(x.shape, x.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
             given = out or (None, None, None)
             new = iter(_Layout([p for p, w, o in zip(parts, want, given, strict=True)
-                                if w and o is None]).make())
+                                if w and o is None]).make()[0])
             dx, dgamma, dbeta = ((next(new) if o is None else o) if w else None
                                  for w, o in zip(want, given, strict=True))
             for a in (dgamma, dbeta):

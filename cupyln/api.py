@@ -276,16 +276,9 @@ def _sig(a):
 def _key(head, arrays, out):
     """The signature of a CuPy call, or None (not a candidate: validation takes it)."""
     try:
-        outs = None if out is None else tuple(map(_sig, out))
-        return (head, *map(_sig, arrays), outs)
+        return (head, *map(_sig, arrays), None if out is None else tuple(map(_sig, out)))
     except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
         return None
-
-
-def _hot_call(key, *args):
-    """The remembered launch's result for this signature, or None (take the full path)."""
-    hot = _HOT.get(key) if key is not None else None
-    return None if hot is None else hot(*args)
 
 
 def _remember(key):
@@ -307,9 +300,11 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
     key = None
     if type(x) is _CUPY_ARRAY and type(eps) is float and normalized_shape is None:
         key = _key((is_ln, eps), (x, gamma, beta), out)
-        res = _hot_call(key, x, gamma, beta, out)
-        if res is not None:
-            return res
+        hot = _HOT.get(key)
+        if hot is not None:
+            res = hot(x, gamma, beta, out)
+            if res is not None:
+                return res
     if x is None:
         raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
     inputs = [("x", x), ("gamma", gamma), ("beta", beta)]
@@ -372,9 +367,11 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
         deterministic
     ) is bool:
         key = _key(flags, (dy, x, gamma, mean, rstd), out)
-        res = _hot_call(key, dy, x, gamma, mean, rstd, out)
-        if res is not None:
-            return res
+        hot = _HOT.get(key)
+        if hot is not None:
+            res = hot(dy, x, gamma, mean, rstd, out)
+            if res is not None:
+                return res
     stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
     kind, k = _check_bwd(dy, x, gamma, stats)
     need_dx = _check_flag("need_dx", need_dx)
