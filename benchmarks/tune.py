@@ -32,7 +32,9 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     SOURCES[name] = lambda path=path: open(path).read()
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
-FWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", FWD_SMALL_M=False)]
+FWD = [dict(SOURCE=s) for s in SOURCES] + [
+    dict(SOURCE="current", FWD_SMALL_M=False), dict(SOURCE="current", FWD_SMALL_M_FILL=1.0),
+    dict(SOURCE="current", FWD_SMALL_M_FILL=4.0), dict(SOURCE="current", FWD_SMALL_TPR=128)]
 BWD = [dict(SOURCE=s) for s in SOURCES]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
@@ -64,9 +66,10 @@ def main():
                 us = device_us(fn, n_repeat=30)
                 plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
                     x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
+                vec = plan.spec.vec
                 gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3
                 print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {cfg} grid={plan.grid} "
-                      f"block={plan.block} smem={plan.smem} {attrs(plan.kerns[pass_])}: "
+                      f"block={plan.block} vec={vec} smem={plan.smem} {attrs(plan.kerns[pass_])}: "
                       f"{us:8.1f} us "
                       f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
         x = dy = g = b = None

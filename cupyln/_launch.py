@@ -29,8 +29,10 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # the kernel holds gamma/beta in registers from its start (NPT = 1). Nsight Compute kernel
 # durations (S4-3, small_kernels.py), on / off: 32x512 f16 4.77 / 5.44 us, 96x768 f16 4.54 /
 # 5.66, 192x1024 bf16 4.99 / 5.89, RMSNorm 32x512 3.65 / 5.09; at 1024x768 (36% of the slots)
-# 5.76 / 5.73, and 7.3 / 6.8 us in event time (tune.py), hence the quarter.
-FWD_SMALL_M = True
+# 5.76 / 5.73, and 7.3 / 6.8 us in event time (tune.py), hence the quarter (FWD_SMALL_M_FILL).
+# FWD_SMALL_TPR: narrower vectors there until a row has at least that many threads (a shorter
+# chain per thread; 0: the widest vector).
+FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_TPR = True, 0.25, 0
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
@@ -197,9 +199,13 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     if FWD_SMALL_M:
-        g1 = row_geometry(N // vec, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
-        if g1.fits and 4 * M * g1.tpr <= info.sms * info.threads_per_sm:
-            g = g1
+        v1 = vec
+        g1 = row_geometry(N // v1, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
+        while g1.tpr < FWD_SMALL_TPR and v1 > 1 and 2 * g1.tpr <= FWD_TPR_MAX:
+            v1 //= 2  # a narrower vector divides N and the strides too, and is aligned
+            g1 = row_geometry(N // v1, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
+        if g1.fits and M * g1.tpr <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm:
+            g, vec = g1, v1
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * 64),)
