@@ -21,8 +21,7 @@ SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
           ("rmsnorm", 32, 512, "float16")]
 # cupyln variants: _launch constants set for the case (the others keep their values), and
 # other kernel sources as in tune.py (CUPYLN_TUNE_SOURCES: name=file pairs)
-VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False},
-            "cupyln FILL=1": {"FWD_SMALL_M_FILL": 1.0}, "cupyln TPR=128": {"FWD_SMALL_TPR": 128}}
+VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False}}
 for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     name, path = item.split("=", 1)
     VARIANTS[f"cupyln {name}"] = {"SOURCE": path}

@@ -32,9 +32,7 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     SOURCES[name] = lambda path=path: open(path).read()
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
-FWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", FWD_SMALL_M=False), dict(SOURCE="current", FWD_SMALL_M_FILL=1.0),
-    dict(SOURCE="current", FWD_SMALL_M_FILL=4.0), dict(SOURCE="current", FWD_SMALL_TPR=128)]
+FWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", FWD_SMALL_M_FILL=0.25)]
 BWD = [dict(SOURCE=s) for s in SOURCES]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}

@@ -24,15 +24,18 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _param_dtype, _span
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
-# Forward with small M (one vector per thread fills at most a quarter of the GPU's thread
+# Forward with small M (one vector per thread fills at most FWD_SMALL_M_FILL of the GPU's thread
 # slots): one vector per thread, so rows get more threads and each thread a shorter chain, and
-# the kernel holds gamma/beta in registers from its start (NPT = 1). Nsight Compute kernel
+# the kernel loads gamma/beta with the row, before its reductions (NPT = 1). Nsight Compute kernel
 # durations (S4-3, small_kernels.py), on / off: 32x512 f16 4.77 / 5.44 us, 96x768 f16 4.54 /
 # 5.66, 192x1024 bf16 4.99 / 5.89, RMSNorm 32x512 3.65 / 5.09; at 1024x768 (36% of the slots)
-# 5.76 / 5.73, and 7.3 / 6.8 us in event time (tune.py), hence the quarter (FWD_SMALL_M_FILL).
+# 5.76 / 5.73, and 7.3 / 6.8 us in event time (tune.py), hence a quarter then. Since gamma/beta
+# load with the row (S5-2, tune.py): 1024x768 (36% of the slots) 6.3 us with the limit at all
+# slots (FWD_SMALL_M_FILL = 1) against 6.9 at a quarter, the other tuned shapes within 0.2 us;
+# at 4 (4096x1024 f16, f32 too) 11.0 / 16.6 us against 10.8 / 15.6.
 # FWD_SMALL_TPR: narrower vectors there until a row has at least that many threads (a shorter
-# chain per thread; 0: the widest vector).
-FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_TPR = True, 0.25, 0
+# chain per thread; 0: the widest vector). 128 made no difference (S5-2: within 0.1 us).
+FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_TPR = True, 1.0, 0
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
