@@ -190,13 +190,6 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, c
   for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
 }
 
-// A hint to fetch the line holding p into L2 (no register waits for it); nothing on HIP.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifndef CLN_HIP
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
 // Two floats as one 32-bit word of two 16-bit values (lo first in memory); one instruction.
 template <typename T>
 __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
@@ -261,9 +254,6 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
 // Sum over the row's threads. Rows of several warps exchange warp sums through shared memory
 // with one barrier: `phase` alternates between consecutive calls (the caller's row counter), so
 // a fast warp's next write goes to the other buffer while slow warps still read this one.
-// The row's nw warp sums are then added by log2(P) shuffle steps, P = nw rounded up to a power
-// of two: every group of P lanes reads all of them (zeros past nw), so every lane gets the total,
-// in the same order (a row of 2 warps takes 1 step here instead of the warp's 5).
 template <int WARP, int K, typename C>
 __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   __shared__ C red[2][K][1024 / WARP];
@@ -273,8 +263,6 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
     const int tid = threadIdx.y * tpr + threadIdx.x;
     const int warp = tid / WARP, lane = tid % WARP;
     const int nw = tpr / WARP;
-    const int P = 1 << (32 - __clz(nw - 1));  // nw >= 2
-    const int src = lane & (P - 1);
     if (lane == 0) {
 #pragma unroll
       for (int k = 0; k < K; ++k) red[phase & 1][k][warp] = v[k];
@@ -282,13 +270,10 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      v[k] = src < nw ? red[phase & 1][k][threadIdx.y * nw + src] : C(0);
-#pragma unroll
+      v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
     for (int o = WARP >> 1; o > 0; o >>= 1) {
-      if (o < P) {  // uniform
 #pragma unroll
-        for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
-      }
+      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
     }
   }
 }

@@ -41,18 +41,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
   typename Held<W, VEC>::type gp[NPT];  // gamma of this thread's columns (zero past N)
-  if (HOLD_GAMMA && gamma) {
-    // The compiler converts a held gamma before the row loop, waiting for it there: the first
-    // row's x and dy are fetched into L2 meanwhile, so that wait is not followed by a second
-    // full memory trip (small M: a block's only row).
-    const cl_i64 r0 = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
-    const cl_i64 col = c0 + (cl_i64)t * VEC;
-    if (r0 < M && col < N) {
-      prefetch_l2(x + r0 * ldx + col);
-      prefetch_l2(dy + r0 * lddy + col);
-    }
-    load_packs<VEC, NPT>(gamma, c0, N, true, gp);
-  }
+  if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
 
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   int phase = 0;
