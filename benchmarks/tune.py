@@ -23,7 +23,9 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
           ("layernorm", 16384, 8192, "bfloat16"), ("layernorm", 4096, 8192, "float16"),
           ("layernorm", 1151, 8192, "float16"), ("layernorm", 131072, 64, "float16"),
           ("layernorm", 1024, 768, "float16"), ("layernorm", 192, 1024, "bfloat16"),
-          ("layernorm", 96, 768, "float16"), ("layernorm", 32, 512, "float16")]
+          ("layernorm", 96, 768, "float16"), ("layernorm", 32, 512, "float16"),
+          ("rmsnorm", 131072, 4096, "bfloat16"), ("layernorm", 4096, 2048, "float16"),
+          ("layernorm", 4096, 4096, "float16"), ("rmsnorm", 16384, 8192, "bfloat16")]
 # Kernel sources: the current one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
 # holding all kernels as one translation unit, as _compile.source() makes it).
 SOURCES = {"current": _compile.source}
@@ -32,7 +34,10 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     SOURCES[name] = lambda path=path: open(path).read()
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
-FWD = [dict(SOURCE=s) for s in SOURCES] + [dict(SOURCE="current", FWD_SMALL_M_FILL=0.25)]
+FWD = [dict(SOURCE=s) for s in SOURCES] + [
+    dict(SOURCE="current", FWD_SHORT_NPT1=True), dict(SOURCE="current", FWD_NPT_MIN=2, FWD_NPT=2),
+    dict(SOURCE="current", FWD_BLOCK=256), dict(SOURCE="current", FWD_GRID_PER_SM=16),
+    dict(SOURCE="current", FWD_GRID_PER_SM=256)]
 BWD = [dict(SOURCE=s) for s in SOURCES]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}

@@ -33,9 +33,11 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # load with the row (S5-2, tune.py): 1024x768 (36% of the slots) 6.3 us with the limit at all
 # slots (FWD_SMALL_M_FILL = 1) against 6.9 at a quarter, the other tuned shapes within 0.2 us;
 # at 4 (4096x1024 f16, f32 too) 11.0 / 16.6 us against 10.8 / 15.6.
-# FWD_SMALL_TPR: narrower vectors there until a row has at least that many threads (a shorter
-# chain per thread; 0: the widest vector). 128 made no difference (S5-2: within 0.1 us).
-FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_TPR = True, 1.0, 0
+# (Narrower vectors there, for 128 threads per row, made no difference: S5-2, within 0.1 us.)
+FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
+# Experiments (tune.py): one vector per thread for any M where such a row fits in a warp, and
+# the forward grid's cap in blocks per SM (rows beyond it loop in the blocks).
+FWD_SHORT_NPT1, FWD_GRID_PER_SM = False, 64
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
@@ -202,16 +204,13 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     if FWD_SMALL_M:
-        v1 = vec
-        g1 = row_geometry(N // v1, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
-        while g1.tpr < FWD_SMALL_TPR and v1 > 1 and 2 * g1.tpr <= FWD_TPR_MAX:
-            v1 //= 2  # a narrower vector divides N and the strides too, and is aligned
-            g1 = row_geometry(N // v1, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
-        if g1.fits and M * g1.tpr <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm:
-            g, vec = g1, v1
+        g1 = row_geometry(N // vec, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
+        small = M * g1.tpr <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
+        if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
+            g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
-    grid = (min(_cdiv(M, g.rpb), info.sms * 64),)
+    grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
     kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
     block = (g.tpr, g.rpb)
     launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
