@@ -37,7 +37,7 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
 # Experiments (tune.py): one vector per thread for any M where such a row fits in a warp, and
 # the forward grid's cap in blocks per SM (rows beyond it loop in the blocks).
-FWD_SHORT_NPT1, FWD_GRID_PER_SM = False, 64
+FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 256
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
