@@ -35,10 +35,9 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", FWD_SHORT_NPT1=False, FWD_GRID_PER_SM=64),
-    dict(SOURCE="current", FWD_GRID_PER_SM=1024), dict(SOURCE="current", FWD_GRID_PER_SM=1 << 20),
-    dict(SOURCE="current", FWD_BLOCK=256)]
-BWD = [dict(SOURCE=s) for s in SOURCES]
+    dict(SOURCE="current", FWD_SHORT_NPT1=False, FWD_GRID_PER_SM=64)]
+BWD = [dict(SOURCE=s) for s in SOURCES] + [
+    dict(SOURCE="current", BWD_GRID_MULT=2), dict(SOURCE="current", BWD_GRID_MULT=4)]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 

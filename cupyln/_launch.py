@@ -37,7 +37,7 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
 # Experiments (tune.py): one vector per thread for any M where such a row fits in a warp, and
 # the forward grid's cap in blocks per SM (rows beyond it loop in the blocks).
-FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 256
+FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
@@ -49,6 +49,8 @@ BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
 # block also adds a row of dgamma/dbeta partials for the second kernel to read; fewer, fuller
 # blocks (1, 0.5, 0.25 per SM) made no consistent difference on the small shapes (tune.py, S3-9).
 BWD_SPREAD = 2
+# Backward grid (one-chunk rows): this many times the resident blocks (experiment, tune.py).
+BWD_GRID_MULT = 1
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one zeroed 2N vector (the
 # last block casts it and zeroes it again: one kernel), or per-block partials summed in a fixed
 # order by a second kernel. On the H200 the partials were faster on almost every shape (tune.py:
@@ -234,7 +236,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         smem = threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         kerns = _compile.kernels(spec, "bwd")
         resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
-        grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
+        grid, block = (min(_cdiv(M, g.rpb), resident * BWD_GRID_MULT), 1), (g.tpr, g.rpb)
     else:
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
