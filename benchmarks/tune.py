@@ -36,8 +36,7 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 # module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", FWD_SHORT_NPT1=False, FWD_GRID_PER_SM=64)]
-BWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", BWD_GRID_MULT=2), dict(SOURCE="current", BWD_GRID_MULT=4)]
+BWD = [dict(SOURCE=s) for s in SOURCES]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 

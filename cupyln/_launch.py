@@ -35,8 +35,12 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # at 4 (4096x1024 f16, f32 too) 11.0 / 16.6 us against 10.8 / 15.6.
 # (Narrower vectors there, for 128 threads per row, made no difference: S5-2, within 0.1 us.)
 FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
-# Experiments (tune.py): one vector per thread for any M where such a row fits in a warp, and
-# the forward grid's cap in blocks per SM (rows beyond it loop in the blocks).
+# One vector per thread for any M where such a row fits in a warp (S5-5/S5-6 tune, 131072x64
+# f16: RMSNorm 14.8 -> 14.4 us, LayerNorm 15.6 -> 15.0; the others unchanged).
+# The forward grid's cap in blocks per SM (rows past it loop in the blocks): 64 had 131072x4096
+# bf16 blocks loop over ~16 rows each; at 1024 (one block per rows-of-a-block on every shape of
+# the benchmark) RMSNorm takes 521.3 us instead of 556.7, LayerNorm 534.9 instead of 556.7
+# (S5-6; 256: 532.8 / 534.9; two rows per 256-thread block at cap 256: 521.9 / 539.6).
 FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
@@ -49,8 +53,9 @@ BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
 # block also adds a row of dgamma/dbeta partials for the second kernel to read; fewer, fuller
 # blocks (1, 0.5, 0.25 per SM) made no consistent difference on the small shapes (tune.py, S3-9).
 BWD_SPREAD = 2
-# Backward grid (one-chunk rows): this many times the resident blocks (experiment, tune.py).
-BWD_GRID_MULT = 1
+# The backward grid is the resident blocks (each loops over rows): twice or four times as many
+# blocks (more partial rows) was slower on every large shape (S5-7 tune: 4096x1024 f16 20.3 /
+# 23.2 / 30.9 us, 131072x4096 bf16 1028.5 / 1032.1 / 1040.1 us).
 # dgamma/dbeta flush of the backward blocks: float32 atomicAdd into one zeroed 2N vector (the
 # last block casts it and zeroes it again: one kernel), or per-block partials summed in a fixed
 # order by a second kernel. On the H200 the partials were faster on almost every shape (tune.py:
@@ -236,7 +241,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         smem = threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         kerns = _compile.kernels(spec, "bwd")
         resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
-        grid, block = (min(_cdiv(M, g.rpb), resident * BWD_GRID_MULT), 1), (g.tpr, g.rpb)
+        grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
     else:
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
