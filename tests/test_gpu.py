@@ -300,12 +300,15 @@ def test_one_million_columns(op):
 # --------------------------------------------------------------------------- graphs, warmup
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["allocated", "out="])
 @pytest.mark.parametrize("flush", ["default", "deterministic", "atomic"])
 @pytest.mark.parametrize("M,N", [(300, 1000), (64, 512)])
-def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N):
+def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
     """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on
     another stream while the same signature runs on the capturing one): the results match the
-    reference on the new inputs. A pool of its own keeps the captured buffers."""
+    reference on the new inputs. A pool of its own keeps the captured buffers. With every
+    output given (out=), the backward's scratch belongs to no output: the direct calls must not
+    get it from the pool while the graph still writes to it."""
     from cupyln import _launch
 
     deterministic = flush == "deterministic"
@@ -314,39 +317,49 @@ def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N):
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
     xh, dyh, gh, bh = inputs(M, N, F16, F32)
-    with cp.cuda.using_allocator(pool.malloc), stream:
-        x, dy, g, b = (cp.asarray(a) for a in (xh, dyh, gh, bh))
-
-        def step():
-            y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
-            return (y, mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd,
-                                                           deterministic=deterministic)
-
-        step()  # compile, plan and fill the pool outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        outs = step()
-        graph = stream.end_capture()
-    other = cp.cuda.Stream(non_blocking=True)
-    for seed in (7, 8):
-        xh2, dyh2, _, _ = inputs(M, N, F16, F32, seed=seed)
-        x.set(xh2, stream=stream)
-        dy.set(dyh2, stream=stream)
-        stream.synchronize()
-        graph.launch(other)
+    try:
         with cp.cuda.using_allocator(pool.malloc), stream:
-            for _ in range(20):  # direct calls of the same signature, at the same time
-                step()
-        other.synchronize()
-        stream.synchronize()
-        y, mean, rstd, dx, dg, db = outs
-        ry, rm, rr = ref.layer_norm_fwd(xh2, gh, bh)
-        rdx, rdg, rdb = ref.layer_norm_bwd(dyh2, xh2, gh, mean.get(), rstd.get())
-        for out, want, name in ((y, ry, "y"), (mean, rm, "mean"), (rstd, rr, "rstd"),
-                                (dg, rdg, "dgamma"), (db, rdb, "dbeta")):
-            assert_close(out, want, name)
-        assert_close(dx, rdx, "dx", dx_floor(dyh2, gh, rstd))
-    _launch.clear_caches()
+            x, dy, g, b = (cp.asarray(a) for a in (xh, dyh, gh, bh))
+
+            def buffers():
+                if not given:
+                    return None, None
+                stats = (cp.empty(M, cp.float32), cp.empty(M, cp.float32))
+                return ((cp.empty_like(x), *stats),
+                        (cp.empty_like(x), cp.empty_like(g), cp.empty_like(b)))
+
+            def step(fo, bo):
+                y, mean, rstd = cupyln.layer_norm_fwd(x, g, b, out=fo)
+                return (y, mean, rstd) + cupyln.layer_norm_bwd(
+                    dy, x, g, mean, rstd, deterministic=deterministic, out=bo)
+
+            captured, direct = buffers(), buffers()  # outputs of the graph, of direct calls
+            step(*captured)  # compile, plan and fill the pool outside the capture
+            stream.synchronize()
+            stream.begin_capture()
+            outs = step(*captured)
+            graph = stream.end_capture()
+        other = cp.cuda.Stream(non_blocking=True)
+        for seed in (7, 8):
+            xh2, dyh2, _, _ = inputs(M, N, F16, F32, seed=seed)
+            x.set(xh2, stream=stream)
+            dy.set(dyh2, stream=stream)
+            stream.synchronize()
+            graph.launch(other)
+            with cp.cuda.using_allocator(pool.malloc), stream:
+                for _ in range(20):  # direct calls of the same signature, at the same time
+                    step(*direct)
+            other.synchronize()
+            stream.synchronize()
+            y, mean, rstd, dx, dg, db = outs
+            ry, rm, rr = ref.layer_norm_fwd(xh2, gh, bh)
+            rdx, rdg, rdb = ref.layer_norm_bwd(dyh2, xh2, gh, mean.get(), rstd.get())
+            for out, want, name in ((y, ry, "y"), (mean, rm, "mean"), (rstd, rr, "rstd"),
+                                    (dg, rdg, "dgamma"), (db, rdb, "dbeta")):
+                assert_close(out, want, name)
+            assert_close(dx, rdx, "dx", dx_floor(dyh2, gh, rstd))
+    finally:
+        _launch.clear_caches()  # no plan made under the patched flush mode outlives the test
 
 
 @pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024)])
