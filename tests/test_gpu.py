@@ -336,9 +336,13 @@ def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
             captured, direct = buffers(), buffers()  # outputs of the graph, of direct calls
             step(*captured)  # compile, plan and fill the pool outside the capture
             stream.synchronize()
+            used = pool.used_bytes()
             stream.begin_capture()
             outs = step(*captured)
             graph = stream.end_capture()
+            # the replays write to the scratch: it must not go back to the pool (where the
+            # direct calls below could get it) when no output holds it
+            assert pool.used_bytes() > used or not given, "captured scratch was freed"
         other = cp.cuda.Stream(non_blocking=True)
         for seed in (7, 8):
             xh2, dyh2, _, _ = inputs(M, N, F16, F32, seed=seed)
