@@ -383,14 +383,9 @@ def _array_maker():
 _alloc, _ndarray = cp.cuda.alloc, _array_maker()
 _get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
 _is_capturing = cp.cuda.runtime.streamIsCapturing
-# Scratch-only allocations of calls captured into CUDA graphs: a replay writes to them, so they
-# must outlive the call (an allocation that also holds an output lives as long as the output).
+# Scratch-only allocations of calls captured into CUDA graphs, kept for the rest of the process
+# (an allocation that also holds an output lives as long as the output).
 _CAPTURED = []
-
-
-def _keep_if_captured(mem, stream):
-    if mem is not None and _is_capturing(stream):
-        _CAPTURED.append(mem)
 
 
 def _fill(given, new):
@@ -503,7 +498,7 @@ class _HotFwd:
 
 class _HotBwd:
     __slots__ = ("dev", "launch", "layout", "given", "want", "consts", "xmask", "wmask",
-                 "atomic", "acc_bytes", "ext", "rowsums", "partial", "reduce", "scratch_only")
+                 "atomic", "acc_bytes", "ext", "rowsums", "partial", "scratch_only")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
                  M, N):
@@ -527,7 +522,6 @@ class _HotBwd:
         self.layout = _Layout(new, [n for n in scratch.values() if n])
         offs = iter(self.layout.scratch)
         self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
-        self.reduce = self.partial is not None
         self.scratch_only = not new and self.layout.nbytes > 0
         self.consts = (ldx, lddy, M, N, P, own)
         self.ext = _Extents()
@@ -557,8 +551,9 @@ class _HotBwd:
         rsp = 0 if self.rowsums is None else base + self.rowsums
         launch = self.launch
         stream = _current_stream().ptr
-        if self.scratch_only:
-            _keep_if_captured(mem, stream)
+        if self.scratch_only and _is_capturing(stream):
+            # a replay writes to this scratch, and no output keeps it: it must outlive the call
+            _CAPTURED.append(mem)
         if rsp:
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = 0 if self.partial is None else base + self.partial
@@ -568,7 +563,7 @@ class _HotBwd:
             ap = cnt + _ACC_OFFSET
         launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M,
                       N)
-        if self.reduce:
+        if pp:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
 
