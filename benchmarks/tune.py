@@ -3,6 +3,7 @@
     python benchmarks/tune.py
     CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tune.py   # also other kernel sources
     CUPYLN_TUNE_PASSES=fwd python benchmarks/tune.py                   # forward only
+    CUPYLN_TUNE_SHAPES=layernorm:4096:1024:float16 python benchmarks/tune.py  # other shapes
 
 For each configuration the compile and plan caches are cleared, and every shape's forward and
 backward are timed as the benchmark does; the kernels' register and local-memory use are
@@ -26,6 +27,10 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
           ("layernorm", 96, 768, "float16"), ("layernorm", 32, 512, "float16"),
           ("rmsnorm", 131072, 4096, "bfloat16"), ("layernorm", 4096, 2048, "float16"),
           ("layernorm", 4096, 4096, "float16"), ("rmsnorm", 16384, 8192, "bfloat16")]
+# CUPYLN_TUNE_SHAPES="op:M:N:dtype,..." times those instead.
+if os.environ.get("CUPYLN_TUNE_SHAPES"):
+    SHAPES = [(o, int(m), int(n), d) for o, m, n, d in
+              (item.split(":") for item in os.environ["CUPYLN_TUNE_SHAPES"].split(","))]
 # Kernel sources: the current one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
 # holding all kernels as one translation unit, as _compile.source() makes it).
 SOURCES = {"current": _compile.source}
@@ -36,7 +41,8 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 # module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", FWD_BLOCK=256), dict(SOURCE="current", FWD_NPT_MIN=2, FWD_NPT=2)]
-BWD = [dict(SOURCE=s) for s in SOURCES]
+BWD = [dict(SOURCE=s) for s in SOURCES] + [
+    dict(SOURCE="current", BWD_STAGE="always"), dict(SOURCE="current", BWD_STAGE="never")]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 

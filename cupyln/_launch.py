@@ -64,6 +64,14 @@ BWD_SPREAD = 2
 # the small shapes: 32x512 f16 15.8 vs 8.1 us, 192x1024 bf16 40.6 vs 14.2), so both modes use
 # them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
+# Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
+# next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-3,
+# tune.py, against the unstaged kernel): 131072x4096 bf16 956.7 vs 1019.0 us, RMSNorm 921.8 vs
+# 1039.5, 16384x8192 bf16 260.0 vs 288.8, 4096x8192 f16 77.8 vs 87.4, 4096x2048 f16 28.8 vs
+# 31.8; not where each block runs one row (96x768 f16 10.4 vs 9.7, 1024x768 12.4 vs 11.8) nor
+# for rows within a warp (no barrier in their reductions; 131072x64 f16 27.0 vs 25.2).
+# "auto" stages where it paid; "always" / "never" (tests, tuning) wherever it can / nowhere.
+BWD_STAGE = "auto"
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 ROWSUMS_TPR = 1024
 
@@ -156,17 +164,20 @@ class DeviceInfo(NamedTuple):
     threads_per_sm: int
     regs_per_sm: int
     smem_per_sm: int
+    async_copy: bool  # cp.async (CUDA, compute capability 8.0 on): see CLN_ASYNC_COPY
 
 
 @functools.cache
 def device_info(dev_id):
-    a = cp.cuda.Device(dev_id).attributes
+    dev = cp.cuda.Device(dev_id)
+    a = dev.attributes
     return DeviceInfo(
         sms=a.get("MultiProcessorCount", 1),
         warp=a.get("WarpSize", 32),
         threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
+        async_copy=not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 80,
     )
 
 
@@ -224,6 +235,16 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     return Plan(spec, {"fwd": kern}, grid, block, 0, launch)
 
 
+def _staging_bytes(info, dtype, wdtype, vec, npt, tpr, rpb):
+    """Dynamic shared memory of norm_bwd's staged rows (the kernel's STAGED rule: cp.async and
+    packs of at least 4 bytes): two buffers of x and dy, ``npt`` packs per thread each, and
+    gamma once per block."""
+    pack = vec * dtype.itemsize
+    if not info.async_copy or pack < 4:
+        return 0
+    return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
+
+
 @functools.cache
 def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     """Backward geometry. The grid depends only on (device, dtypes, M, N, vec), so the
@@ -238,19 +259,27 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         threads = g.tpr * g.rpb
-        smem = threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
+        colsum = threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
+        stage = _staging_bytes(info, dtype, wdtype, vec, g.npt, g.tpr, g.rpb)
         kerns = _compile.kernels(spec, "bwd")
-        resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, smem, info)
+        resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, max(colsum, stage), info)
         grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
     else:
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
         kerns = _compile.kernels(spec, "bwd")
-        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, 0, info)
-        grid, block, smem = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1), 0
+        colsum, stage = 0, _staging_bytes(info, dtype, wdtype, vec, TILE_NPT, TILE_TPR, 1)
+        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, stage, info)
+        grid, block = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1)
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
+    # The kernel stages rows when given the memory for it: by default where blocks loop over
+    # rows that span several warps (see BWD_STAGE).
+    loops = block[0] > info.warp and M > grid[0] * block[1]
+    if BWD_STAGE == "never" or (BWD_STAGE == "auto" and not loops):
+        stage = 0
+    smem = max(colsum, stage)
     launch["bwd"] = Launcher(kerns["bwd"], grid, block, smem, _BWD_ARGS)
     launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
     return Plan(spec, kerns, grid, block, smem, launch)

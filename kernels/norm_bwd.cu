@@ -27,10 +27,13 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
          typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
          typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
+  typedef Pack<T, VEC> P;
+  typedef typename Held<W, VEC>::type G;
   // gamma held in registers across rows where ptxas still fits the kernel in 64 registers
-  // without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
-  constexpr bool HOLD_GAMMA = NPT == 1 && sizeof(W) * VEC <= 16 && LN;
-  extern __shared__ unsigned char cl_smem[];
+  // without spilling (sm_90: one 16-byte vector per thread, LayerNorm only); not beside the
+  // staged path (sm_90: 40 bytes of spills), which reads it from shared memory
+  constexpr bool HOLD_GAMMA = !CLN_ASYNC_COPY && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
+  extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = C(1) / (C)N;
   const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
@@ -40,23 +43,61 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   for (int k = 0; k < NPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
-  typename Held<W, VEC>::type gp[NPT];  // gamma of this thread's columns (zero past N)
-  if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
+  G gp[NPT];  // gamma of this thread's columns (zero past N)
 
+  // Staged rows (stage_packs): the next row's x and dy are copied into shared memory while this
+  // one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per block after
+  // them, [NPT][blockDim.x]. Taken when the launch gives that much dynamic shared memory (the
+  // host's choice, _launch.py): rows read directly otherwise (HIP, packs under 4 bytes, shapes
+  // where staging does not pay).
+  const int threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + t;
+  P* stage = reinterpret_cast<P*>(cl_smem);
+  G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
+  const bool staged = CLN_ASYNC_COPY && sizeof(P) >= 4 &&
+      dynamic_smem_bytes() >= 4u * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G);
+  if (staged && gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // row 0's group
+  if (HOLD_GAMMA && !staged && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
+  const cl_i64 first = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
+  // Issues row `row`'s copies into buffer `b` (rows past M: zeros) and loads its statistics.
+  auto prefetch = [&](cl_i64 row, int b, C& mu, C& rs) {
+    const bool ok = row < M;
+    const cl_i64 r = ok ? row : 0;
+    if (staged) {
+      P* d = stage + b * 2 * NPT * threads;
+      stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
+      stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
+      async_commit();
+    }
+    mu = (LN && ok) ? (C)mean[r] : C(0);
+    rs = ok ? (C)rstd[r] : C(0);
+  };
+  C mu_next, rs_next;
+  prefetch(first, 0, mu_next, rs_next);
   int phase = 0;
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
-    const cl_i64 row = base + threadIdx.y;
+  for (cl_i64 row = first; row - threadIdx.y < M; row += step, ++phase) {
     const bool valid = row < M;
-    const cl_i64 r = valid ? row : 0;
-    const C mu = (LN && valid) ? (C)mean[r] : C(0);
-    const C rs = valid ? (C)rstd[r] : C(0);
     // Rows past M load as zeros with mu = rs = 0: xhat = 0, nothing accumulates.
+    const C mu = mu_next, rs = rs_next;
+    prefetch(row + step, (phase + 1) & 1, mu_next, rs_next);
     C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
     {
-      Pack<T, VEC> px[NPT], pdy[NPT];
-      load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
-      load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      P px[NPT], pdy[NPT];
+      if (staged) {
+        async_wait<1>();  // this row's group has landed; the next row's stays in flight
+        if (phase == 0) __syncthreads();  // gamma, copied by row 0's threads, for every row
+        const P* src = stage + (phase & 1) * 2 * NPT * threads + tid;
+#pragma unroll
+        for (int k = 0; k < NPT; ++k) {
+          px[k] = src[k * threads];
+          pdy[k] = src[(NPT + k) * threads];
+        }
+      } else {
+        const cl_i64 r = valid ? row : 0;
+        load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
+        load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      }
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
         // x loads as 0 past N: with mean 0 there xhat stays 0 (x - mean could overflow)
@@ -71,7 +112,12 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
       }
     }
     if (gamma) {
-      if (!HOLD_GAMMA) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
+      if (staged) {
+#pragma unroll
+        for (int k = 0; k < NPT; ++k) gp[k] = gstage[k * blockDim.x + t];
+      } else if (!HOLD_GAMMA) {
+        load_packs<VEC, NPT>(gamma, c0, N, true, gp);
+      }
 #pragma unroll
       for (int k = 0; k < NPT; ++k)
 #pragma unroll
@@ -86,8 +132,8 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
         s[1] += g[k][j] * xh[k][j];
       }
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
-      s[0] = valid ? rowsums[2 * r] : C(0);
-      s[1] = valid ? rowsums[2 * r + 1] : C(0);
+      s[0] = valid ? rowsums[2 * row] : C(0);
+      s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
     }
@@ -108,6 +154,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     }
   }
 
+  async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
   C* buf = reinterpret_cast<C*>(cl_smem);
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;  // this block's partials
@@ -151,7 +198,6 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   __shared__ bool is_last;
   __threadfence();
   __syncthreads();
-  const int tid = threadIdx.y * blockDim.x + t;
   const unsigned int blocks = gridDim.x * gridDim.y;
   if (tid == 0) is_last = atomicInc(counter, blocks - 1) == blocks - 1;
   __syncthreads();

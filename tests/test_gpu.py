@@ -211,6 +211,54 @@ def test_atomic_flush(atomic_flush, op, M, N):
     check_case(op, *inputs(M, N, dt, wdt), need=(False, True, False))
 
 
+# --------------------------------------------------------------------------- staged backward
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N", [(37, 33), (1025, 760), (199, 4096), (3001, 4096), (700, 8192),
+                                 (9, 20000), (700, 20000), (65537, 129), (5000, 1000)])
+def test_staged_and_direct_backward_agree(monkeypatch, op, M, N):
+    """The backward's staged rows (cp.async into shared memory) against direct loads, on shapes
+    either path can take: each matches the reference, and the two agree bitwise (the same
+    arithmetic in the same order)."""
+    from cupyln import _launch
+
+    dt, wdt = PAIRS[(M + N) % len(PAIRS)]
+    case = inputs(M, N, dt, wdt)
+    plans, plan_bwd = [], _launch.plan_bwd
+
+    def spy(*args):
+        plans.append(plan_bwd(*args))
+        return plans[-1]
+
+    spy.cache_clear = plan_bwd.cache_clear
+    monkeypatch.setattr(_launch, "plan_bwd", spy)
+    out = {}
+    try:
+        for mode in ("always", "never"):
+            monkeypatch.setattr(_launch, "BWD_STAGE", mode)
+            _launch.clear_caches()
+            plans.clear()
+            x, dy, g = (cp.asarray(a) for a in case[:3])
+            if op == "ln":
+                _, mean, rstd = cupyln.layer_norm_fwd(x, g, None)
+                out[mode] = cupyln.layer_norm_bwd(dy, x, g, mean, rstd)
+            else:
+                _, rstd = cupyln.rms_norm_fwd(x, g)
+                out[mode] = cupyln.rms_norm_bwd(dy, x, g, rstd)
+            (plan,) = plans
+            acc = _launch.ACC_DTYPES[dt].itemsize
+            threads = plan.block[0] * plan.block[1]
+            colsum = threads * plan.spec.vec * acc if plan.block[1] > 1 else 0
+            can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
+            assert (plan.smem > colsum) == (can and mode == "always"), (mode, plan.smem)
+            check_case(op, *case)
+    finally:
+        _launch.clear_caches()
+    for a, b in zip(out["always"], out["never"], strict=True):
+        assert cp.array_equal(a, b)
+
+
 # --------------------------------------------------------------------------- determinism
 
 
