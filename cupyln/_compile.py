@@ -52,7 +52,8 @@ class Spec(NamedTuple):
                     "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         return {
-            "bwd": f"norm_bwd<{a}>",
+            "bwd": f"norm_bwd<{a}, false>",
+            "bwd_staged": f"norm_bwd<{a}, true>",
             "rowsums": f"norm_bwd_rowsums<{a}>",
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }

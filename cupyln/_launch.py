@@ -258,28 +258,36 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     launch = {}
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
-        threads = g.tpr * g.rpb
-        colsum = threads * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
+        block = (g.tpr, g.rpb)
+        colsum = g.tpr * g.rpb * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         stage = _staging_bytes(info, dtype, wdtype, vec, g.npt, g.tpr, g.rpb)
-        kerns = _compile.kernels(spec, "bwd")
-        resident = info.sms * _blocks_per_sm(kerns["bwd"], threads, max(colsum, stage), info)
-        grid, block = (min(_cdiv(M, g.rpb), resident), 1), (g.tpr, g.rpb)
+        rows = _cdiv(M, g.rpb)  # blocks that get work
     else:
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
-        tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
-        kerns = _compile.kernels(spec, "bwd")
+        block = (TILE_TPR, 1)
         colsum, stage = 0, _staging_bytes(info, dtype, wdtype, vec, TILE_NPT, TILE_TPR, 1)
-        resident = info.sms * _blocks_per_sm(kerns["bwd"], TILE_TPR, stage, info)
-        grid, block = (max(1, min(M, _cdiv(resident, tiles))), tiles), (TILE_TPR, 1)
+        tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
+        rows = M
+    kerns = dict(_compile.kernels(spec, "bwd"))
+
+    def grid_of(kern, smem):
+        resident = info.sms * _blocks_per_sm(kern, block[0] * block[1], smem, info)
+        return (min(rows, resident), 1) if g.fits else (max(1, min(M, _cdiv(resident, tiles))),
+                                                       tiles)
+
+    grid = grid_of(kerns["bwd"], colsum)
+    # Staged rows by default where blocks loop over rows that span several warps (BWD_STAGE).
+    loops = block[0] > info.warp and M > grid[0] * block[1]
+    if stage and (BWD_STAGE == "always" or (BWD_STAGE == "auto" and loops)):
+        kerns["bwd"] = kerns["bwd_staged"]
+        smem = max(colsum, stage)
+        grid = grid_of(kerns["bwd"], smem)
+    else:
+        smem = colsum
+    if not g.fits:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
-    # The kernel stages rows when given the memory for it: by default where blocks loop over
-    # rows that span several warps (see BWD_STAGE).
-    loops = block[0] > info.warp and M > grid[0] * block[1]
-    if BWD_STAGE == "never" or (BWD_STAGE == "auto" and not loops):
-        stage = 0
-    smem = max(colsum, stage)
     launch["bwd"] = Launcher(kerns["bwd"], grid, block, smem, _BWD_ARGS)
     launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
     return Plan(spec, kerns, grid, block, smem, launch)

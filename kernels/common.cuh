@@ -245,13 +245,14 @@ __device__ __forceinline__ void async_commit() {
 #endif
 }
 
-// The dynamic shared memory of this launch, in bytes (0 where async copies are not compiled).
-__device__ __forceinline__ unsigned int dynamic_smem_bytes() {
-  unsigned int have = 0;
+// Traps when the launch gave less dynamic shared memory than `bytes` (a host/kernel mismatch
+// would otherwise overrun it silently).
+__device__ __forceinline__ void require_dynamic_smem(unsigned int bytes) {
 #if CLN_ASYNC_COPY
+  unsigned int have;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+  if (have < bytes) __trap();
 #endif
-  return have;
 }
 
 // Wait until at most PENDING of this thread's committed copy groups are still in flight.

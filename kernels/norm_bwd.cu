@@ -18,7 +18,7 @@
 // element before): 16-bit rows converted from 32-bit words, no per-element bounds selects (an
 // out-of-range vector loads as zeros: dy = 0 and gamma = 0 there, so it adds nothing), gamma
 // held across rows where it fits, dx by two fused multiply-adds, one 16-byte store per vector.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
          const W* __restrict__ gamma, const float* __restrict__ mean,
@@ -29,10 +29,16 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
-  // gamma held in registers across rows where ptxas still fits the kernel in 64 registers
-  // without spilling (sm_90: one 16-byte vector per thread, LayerNorm only); not beside the
-  // staged path (sm_90: 40 bytes of spills), which reads it from shared memory
-  constexpr bool HOLD_GAMMA = !CLN_ASYNC_COPY && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
+  // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
+  // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
+  // block after them, [NPT][blockDim.x]. The host gives the dynamic shared memory for it
+  // (_launch.py); a launch with less traps. A compile-time choice: the two paths in one kernel
+  // (chosen by the launch's shared memory) made both slower, 131072x4096 bf16 1190 us against
+  // 957 staged and 1019 direct (S6-4: ptxas spilled 12 bytes in the loop).
+  constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
+  // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
+  // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
+  constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = C(1) / (C)N;
@@ -44,47 +50,56 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
   G gp[NPT];  // gamma of this thread's columns (zero past N)
-
-  // Staged rows (stage_packs): the next row's x and dy are copied into shared memory while this
-  // one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per block after
-  // them, [NPT][blockDim.x]. Taken when the launch gives that much dynamic shared memory (the
-  // host's choice, _launch.py): rows read directly otherwise (HIP, packs under 4 bytes, shapes
-  // where staging does not pay).
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + t;
   P* stage = reinterpret_cast<P*>(cl_smem);
   G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
-  const bool staged = CLN_ASYNC_COPY && sizeof(P) >= 4 &&
-      dynamic_smem_bytes() >= 4u * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G);
-  if (staged && gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // row 0's group
-  if (HOLD_GAMMA && !staged && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
+  if constexpr (STAGED) {
+    require_dynamic_smem(4u * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G));
+    if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
+  }
+  if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-  const cl_i64 first = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
-  // Issues row `row`'s copies into buffer `b` (rows past M: zeros) and loads its statistics.
-  auto prefetch = [&](cl_i64 row, int b, C& mu, C& rs) {
+  // The statistics of row `row` (zeros past M: xhat = 0 there, nothing accumulates).
+  auto stats = [&](cl_i64 row, C& mu, C& rs) {
     const bool ok = row < M;
     const cl_i64 r = ok ? row : 0;
-    if (staged) {
+    mu = (LN && ok) ? (C)mean[r] : C(0);
+    rs = ok ? (C)rstd[r] : C(0);
+  };
+  // Staged: issues row `row`'s copies into buffer `b` (zeros past M) and loads its statistics
+  // ahead too (loaded in the iteration, they stalled every row: 1104 against 957 us at
+  // 131072x4096 bf16, S6-2). The direct path loads both in the iteration (a prefetch there
+  // made ptxas spill).
+  auto prefetch = [&](cl_i64 row, int b, C& mu, C& rs) {
+    if constexpr (STAGED) {
+      const bool ok = row < M;
+      const cl_i64 r = ok ? row : 0;
       P* d = stage + b * 2 * NPT * threads;
       stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
       stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
       async_commit();
+      stats(row, mu, rs);
     }
-    mu = (LN && ok) ? (C)mean[r] : C(0);
-    rs = ok ? (C)rstd[r] : C(0);
   };
   C mu_next, rs_next;
-  prefetch(first, 0, mu_next, rs_next);
+  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0, mu_next, rs_next);
   int phase = 0;
-  for (cl_i64 row = first; row - threadIdx.y < M; row += step, ++phase) {
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
+    const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
-    // Rows past M load as zeros with mu = rs = 0: xhat = 0, nothing accumulates.
-    const C mu = mu_next, rs = rs_next;
-    prefetch(row + step, (phase + 1) & 1, mu_next, rs_next);
+    C mu, rs;
+    if constexpr (STAGED) {
+      mu = mu_next;
+      rs = rs_next;
+      prefetch(row + step, (phase + 1) & 1, mu_next, rs_next);
+    } else {
+      stats(row, mu, rs);
+    }
     C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
     {
       P px[NPT], pdy[NPT];
-      if (staged) {
+      if constexpr (STAGED) {
         async_wait<1>();  // this row's group has landed; the next row's stays in flight
         if (phase == 0) __syncthreads();  // gamma, copied by row 0's threads, for every row
         const P* src = stage + (phase & 1) * 2 * NPT * threads + tid;
@@ -112,7 +127,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
       }
     }
     if (gamma) {
-      if (staged) {
+      if constexpr (STAGED) {
 #pragma unroll
         for (int k = 0; k < NPT; ++k) gp[k] = gstage[k * blockDim.x + t];
       } else if (!HOLD_GAMMA) {
