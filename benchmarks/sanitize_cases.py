@@ -1,8 +1,9 @@
 """Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
 
-Variants: forward (one chunk, several chunks), backward with atomics and deterministic, for
-short rows (several per block), block rows, and long rows (row sums + column tiles); LayerNorm
-and RMSNorm. Exits non-zero when an output misses the reference tolerance.
+Variants: forward (one chunk, several chunks), backward with atomics and deterministic, with
+staged rows (cp.async) and direct loads, for short rows (several per block), block rows, and
+long rows (row sums + column tiles); LayerNorm and RMSNorm. Exits non-zero when an output
+misses the reference tolerance.
 """
 
 import sys
@@ -26,14 +27,16 @@ CASES = [  # (op, M, N, dtype, param dtype)
 
 bad = 0
 for op, M, N, dt, wdt in CASES:
-    for det, atomic in ((False, False), (True, False), (False, True)):
+    for det, atomic, stage in ((False, False, "always"), (True, False, "always"),
+                               (False, True, "always"), (False, False, "never")):
         _launch.ATOMIC_FLUSH = atomic  # both dgamma/dbeta flushes of the backward
+        _launch.BWD_STAGE = stage  # staged rows wherever they can be, and nowhere
         _launch.clear_caches()  # no call remembered under the other flush
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
         cp.cuda.Device().synchronize()
         worst = max(rows, key=lambda r: r[1] / r[2])
         ok = all(err <= tol for _, err, tol in rows)
         bad += not ok
-        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} "
+        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} {stage:<6} "
               f"worst {worst[0]}={worst[1]:.2e} {'ok' if ok else 'FAIL'}")
 sys.exit(1 if bad else 0)

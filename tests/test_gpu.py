@@ -220,7 +220,8 @@ def test_atomic_flush(atomic_flush, op, M, N):
 def test_staged_and_direct_backward_agree(monkeypatch, op, M, N):
     """The backward's staged rows (cp.async into shared memory) against direct loads, on shapes
     either path can take: each matches the reference, and the two agree bitwise (the same
-    arithmetic in the same order)."""
+    arithmetic in the same order; dgamma/dbeta where both kernels get the same grid, which sets
+    the order of the partial sums)."""
     from cupyln import _launch
 
     dt, wdt = PAIRS[(M + N) % len(PAIRS)]
@@ -233,7 +234,7 @@ def test_staged_and_direct_backward_agree(monkeypatch, op, M, N):
 
     spy.cache_clear = plan_bwd.cache_clear
     monkeypatch.setattr(_launch, "plan_bwd", spy)
-    out = {}
+    out, grids = {}, {}
     try:
         for mode in ("always", "never"):
             monkeypatch.setattr(_launch, "BWD_STAGE", mode)
@@ -247,6 +248,7 @@ def test_staged_and_direct_backward_agree(monkeypatch, op, M, N):
                 _, rstd = cupyln.rms_norm_fwd(x, g)
                 out[mode] = cupyln.rms_norm_bwd(dy, x, g, rstd)
             (plan,) = plans
+            grids[mode] = plan.grid
             acc = _launch.ACC_DTYPES[dt].itemsize
             threads = plan.block[0] * plan.block[1]
             colsum = threads * plan.spec.vec * acc if plan.block[1] > 1 else 0
@@ -255,8 +257,9 @@ def test_staged_and_direct_backward_agree(monkeypatch, op, M, N):
             check_case(op, *case)
     finally:
         _launch.clear_caches()
-    for a, b in zip(out["always"], out["never"], strict=True):
-        assert cp.array_equal(a, b)
+    same_order = grids["always"] == grids["never"]
+    for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
+        assert cp.array_equal(a, b) or (i > 0 and not same_order), i
 
 
 # --------------------------------------------------------------------------- determinism
