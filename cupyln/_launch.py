@@ -65,12 +65,13 @@ BWD_SPREAD = 2
 # them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
 # Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
-# next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-3,
-# tune.py, against the unstaged kernel): 131072x4096 bf16 956.7 vs 1019.0 us, RMSNorm 921.8 vs
-# 1039.5, 16384x8192 bf16 260.0 vs 288.8, 4096x8192 f16 77.8 vs 87.4, 4096x2048 f16 28.8 vs
-# 31.8; not where each block runs one row (96x768 f16 10.4 vs 9.7, 1024x768 12.4 vs 11.8) nor
-# for rows within a warp (no barrier in their reductions; 131072x64 f16 27.0 vs 25.2).
-# "auto" stages where it paid; "always" / "never" (tests, tuning) wherever it can / nowhere.
+# next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-5,
+# tune.py, staged / direct): 131072x4096 bf16 885.0 / 1022.5 us, RMSNorm 877.7 / 1042.5,
+# 16384x8192 bf16 247.3 / 292.3, 4096x8192 f16 75.3 / 86.3, 4096x4096 f16 43.3 / 49.6. It does
+# not pay where each block runs one row (S6-3: 96x768 f16 10.4 / 9.7 us) nor for rows within a
+# warp, whose reductions need no barrier (S6-3: 131072x64 f16 27.0 / 25.2).
+# "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
+# wherever it can / nowhere.
 BWD_STAGE = "auto"
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 ROWSUMS_TPR = 1024
