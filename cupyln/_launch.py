@@ -262,19 +262,18 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         block = (g.tpr, g.rpb)
         colsum = g.tpr * g.rpb * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         stage = _staging_bytes(info, dtype, wdtype, vec, g.npt, g.tpr, g.rpb)
-        rows = _cdiv(M, g.rpb)  # blocks that get work
     else:
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         block = (TILE_TPR, 1)
         colsum, stage = 0, _staging_bytes(info, dtype, wdtype, vec, TILE_NPT, TILE_TPR, 1)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
-        rows = M
     kerns = dict(_compile.kernels(spec, "bwd"))
 
-    def grid_of(kern, smem):
+    def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
         resident = info.sms * _blocks_per_sm(kern, block[0] * block[1], smem, info)
-        return (min(rows, resident), 1) if g.fits else (max(1, min(M, _cdiv(resident, tiles))),
-                                                       tiles)
+        if g.fits:
+            return (min(_cdiv(M, g.rpb), resident), 1)
+        return (max(1, min(M, _cdiv(resident, tiles))), tiles)
 
     grid = grid_of(kerns["bwd"], colsum)
     # Staged rows by default where blocks loop over rows that span several warps (BWD_STAGE).

@@ -10,7 +10,9 @@
 // into dgamma/dbeta and zeroes it for the next launch: one kernel), or writes them to its own
 // row of a [blocks, 2N] scratch that norm_bwd_reduce sums in a fixed order (deterministic).
 // Rows too long for registers take two kernels: norm_bwd_rowsums computes each row's two sums,
-// then norm_bwd runs on column tiles (gridDim.y > 1) with those sums given.
+// then norm_bwd runs on column tiles (gridDim.y > 1) with those sums given. Where blocks loop
+// over rows, the staged variant (STAGE, CUDA sm_80 on) copies each block's next row into shared
+// memory while it reduces this one, so the row's loads stay in flight through its reductions.
 #include "common.cuh"
 
 // One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128. The
