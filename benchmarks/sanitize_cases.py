@@ -1,6 +1,6 @@
 """Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
 
-Variants: forward (one chunk, several chunks), backward with atomics and deterministic, with
+Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
 staged rows (cp.async) and direct loads, for short rows (several per block), block rows, and
 long rows (row sums + column tiles); LayerNorm and RMSNorm. Exits non-zero when an output
 misses the reference tolerance.
@@ -30,7 +30,7 @@ for op, M, N, dt, wdt in CASES:
     for det, atomic, stage in ((False, False, "always"), (True, False, "always"),
                                (False, True, "always"), (False, False, "never")):
         _launch.ATOMIC_FLUSH = atomic  # both dgamma/dbeta flushes of the backward
-        _launch.BWD_STAGE = stage  # staged rows wherever they can be, and nowhere
+        _launch.FWD_STAGE = _launch.BWD_STAGE = stage  # staged rows wherever possible, or nowhere
         _launch.clear_caches()  # no call remembered under the other flush
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
         cp.cuda.Device().synchronize()

@@ -40,7 +40,7 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", FWD_BLOCK=256), dict(SOURCE="current", FWD_NPT_MIN=2, FWD_NPT=2)]
+    dict(SOURCE="current", FWD_STAGE="always"), dict(SOURCE="current", FWD_STAGE="never")]
 BWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", BWD_STAGE="always"), dict(SOURCE="current", BWD_STAGE="never")]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")

@@ -48,7 +48,7 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
             ln = "true" if self.is_ln else "false"
-            return {"fwd": f"norm_fwd<{a}>",
+            return {"fwd": f"norm_fwd<{a}, false>", "fwd_staged": f"norm_fwd<{a}, true>",
                     "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         return {

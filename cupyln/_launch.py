@@ -42,6 +42,10 @@ FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
 # the benchmark) RMSNorm takes 521.3 us instead of 556.7, LayerNorm 534.9 instead of 556.7
 # (S5-6; 256: 532.8 / 534.9; two rows per 256-thread block at cap 256: 521.9 / 539.6).
 FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
+# Staged forward rows (cp.async, as BWD_STAGE below): "auto" stages where the resident blocks
+# would loop over rows that span several warps, "always" / "never" (tests, tuning).
+# (measurements: benchmarks/NOTES.md, session 7)
+FWD_STAGE = "auto"
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
 # threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
@@ -230,20 +234,36 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
-    kern = _compile.kernels(spec, "fwd")["fwd" if g.fits else "fwd_chunked"]
-    block = (g.tpr, g.rpb)
-    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, {"fwd": kern}, grid, block, 0, launch)
+    kerns = _compile.kernels(spec, "fwd")
+    kern, block, smem = kerns["fwd" if g.fits else "fwd_chunked"], (g.tpr, g.rpb), 0
+    stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if g.fits else 0
+    if stage:
+        # staged: the resident blocks, each looping over rows with the next ones in flight
+        resident = info.sms * _blocks_per_sm(kerns["fwd_staged"], g.tpr * g.rpb, stage, info)
+        loops = g.tpr > info.warp and M > resident * g.rpb
+        if _stages(FWD_STAGE, loops):
+            kern, smem = kerns["fwd_staged"], stage
+            grid = (min(_cdiv(M, g.rpb), resident),)
+    launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, {"fwd": kern}, grid, block, smem, launch)
 
 
-def _staging_bytes(info, dtype, wdtype, vec, npt, tpr, rpb):
-    """Dynamic shared memory of norm_bwd's staged rows (the kernel's STAGED rule: cp.async and
-    packs of at least 4 bytes): two buffers of x and dy, ``npt`` packs per thread each, and
-    gamma once per block."""
+def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
+    """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
+    least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
+    and then gamma once per block (the backward, which passes ``wdtype``)."""
     pack = vec * dtype.itemsize
     if not info.async_copy or pack < 4:
         return 0
+    if wdtype is None:
+        return npt * tpr * 2 * pack * rpb
     return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
+
+
+def _stages(mode, loops):
+    """Whether a pass stages its rows: ``mode`` is FWD_STAGE / BWD_STAGE, ``loops`` whether the
+    plan's blocks loop over rows that span several warps (where "auto" stages)."""
+    return mode == "always" or (mode == "auto" and loops)
 
 
 @functools.cache
@@ -261,11 +281,11 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         block = (g.tpr, g.rpb)
         colsum = g.tpr * g.rpb * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
-        stage = _staging_bytes(info, dtype, wdtype, vec, g.npt, g.tpr, g.rpb)
+        stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb, wdtype)
     else:
         spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
         block = (TILE_TPR, 1)
-        colsum, stage = 0, _staging_bytes(info, dtype, wdtype, vec, TILE_NPT, TILE_TPR, 1)
+        colsum, stage = 0, _staging_bytes(info, dtype, vec, TILE_NPT, TILE_TPR, 1, wdtype)
         tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
     kerns = dict(_compile.kernels(spec, "bwd"))
 
@@ -278,7 +298,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     grid = grid_of(kerns["bwd"], colsum)
     # Staged rows by default where blocks loop over rows that span several warps (BWD_STAGE).
     loops = block[0] > info.warp and M > grid[0] * block[1]
-    if stage and (BWD_STAGE == "always" or (BWD_STAGE == "auto" and loops)):
+    if stage and _stages(BWD_STAGE, loops):
         kerns["bwd"] = kerns["bwd_staged"]
         smem = max(colsum, stage)
         grid = grid_of(kerns["bwd"], smem)

@@ -3,7 +3,9 @@
 // Geometry (decided by cupyln/_launch.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
 // chunk. When the row is one chunk (the common case) x is read from memory once; longer rows
-// are read twice (statistics, then output). Statistics are exact per chunk (sum, then centered
+// are read twice (statistics, then output). Where blocks loop over rows, the staged variant
+// (STAGE, CUDA sm_80 on) copies each block's next rows into shared memory while it reduces and
+// writes these, as the backward does. Statistics are exact per chunk (sum, then centered
 // sum of squares) and merged across chunks with Chan's formula: never E[x^2] - E[x]^2.
 #include "common.cuh"
 
@@ -106,7 +108,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // Rows of one chunk (CHUNKED = false: the row stays in registers, packed as loaded, and x is
 // read once) or of many (CHUNKED = true: statistics over all chunks, then each chunk read again
 // for the output).
-template <bool CHUNKED, typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+template <bool CHUNKED, bool STAGE, typename T, typename W, bool LN, int VEC, int NPT, int WARP>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
@@ -124,6 +126,24 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   // for them: two memory trips in a row, in the SASS.)
   constexpr bool EARLY = !CHUNKED && NPT == 1;
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
+  // Staged rows (stage_packs): two buffers of [NPT][threads] packs of x in dynamic shared
+  // memory, given by the host (_launch.py); a launch with less traps. Each thread reads back
+  // only the slots it copied, so no barrier is added.
+  typedef Pack<T, VEC> P;
+  constexpr bool STAGED = STAGE && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  P* stage = reinterpret_cast<P*>(cl_smem);
+  const int threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  auto prefetch = [&](cl_i64 row, int b) {
+    if constexpr (STAGED) {
+      const bool ok = row < M;
+      stage_packs<VEC, NPT>(stage + b * NPT * threads, x + (ok ? row : 0) * ldx, 0, N, ok);
+      async_commit();
+    }
+  };
+  if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
+  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
@@ -132,7 +152,15 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     const T* xr = x + (valid ? row : 0) * ldx;
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
-      load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      if constexpr (STAGED) {  // one chunk: phase counts rows
+        prefetch(row + step, (phase + 1) & 1);
+        async_wait<1>();  // this row's copies have landed; the next row's stay in flight
+        const P* src = stage + (phase & 1) * NPT * threads + tid;
+#pragma unroll
+        for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
+      } else {
+        load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      }
       if (EARLY) {  // predicated, not branched: a branch let a conversion of x wait before it
         load_packs<VEC, NPT>(gamma, 0, N, gamma != nullptr, hg);
         load_packs<VEC, NPT>(beta, 0, N, beta != nullptr, hb);
@@ -152,6 +180,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                   hg, hb);
     }
   }
+  async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
 }
 
 #define CLN_FWD_PARAMS                                                                        \
@@ -159,14 +188,15 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
       cl_i64 N, typename Acc<T>::type eps
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, T, W, LN, VEC, NPT, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M, N,
-                                            eps);
+  fwd_rows<false, STAGE, T, W, LN, VEC, NPT, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M,
+                                                   N, eps);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
-  fwd_rows<true, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps);
+  fwd_rows<true, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M, N,
+                                                eps);
 }

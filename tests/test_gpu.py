@@ -211,53 +211,55 @@ def test_atomic_flush(atomic_flush, op, M, N):
     check_case(op, *inputs(M, N, dt, wdt), need=(False, True, False))
 
 
-# --------------------------------------------------------------------------- staged backward
+# --------------------------------------------------------------------------- staged rows
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N", [(37, 33), (1025, 760), (199, 4096), (3001, 4096), (700, 8192),
                                  (9, 20000), (700, 20000), (65537, 129), (5000, 1000)])
-def test_staged_and_direct_backward_agree(monkeypatch, op, M, N):
-    """The backward's staged rows (cp.async into shared memory) against direct loads, on shapes
-    either path can take: each matches the reference, and the two agree bitwise (the same
-    arithmetic in the same order; dgamma/dbeta where both kernels get the same grid, which sets
-    the order of the partial sums)."""
-    from cupyln import _launch
+def test_staged_and_direct_rows_agree(monkeypatch, pass_, op, M, N):
+    """Staged rows (cp.async into shared memory) against direct loads, forward and backward, on
+    shapes either path can take: each matches the reference, and the two agree bitwise (the same
+    arithmetic in the same order; the backward's dgamma/dbeta where both kernels get the same
+    grid, which sets the order of the partial sums)."""
+    from cupyln import _compile, _launch
 
     dt, wdt = PAIRS[(M + N) % len(PAIRS)]
     case = inputs(M, N, dt, wdt)
-    plans, plan_bwd = [], _launch.plan_bwd
+    plans, plan_fn = [], getattr(_launch, f"plan_{pass_}")
 
     def spy(*args):
-        plans.append(plan_bwd(*args))
+        plans.append(plan_fn(*args))
         return plans[-1]
 
-    spy.cache_clear = plan_bwd.cache_clear
-    monkeypatch.setattr(_launch, "plan_bwd", spy)
+    spy.cache_clear = plan_fn.cache_clear
+    monkeypatch.setattr(_launch, f"plan_{pass_}", spy)
     out, grids = {}, {}
     try:
         for mode in ("always", "never"):
-            monkeypatch.setattr(_launch, "BWD_STAGE", mode)
+            monkeypatch.setattr(_launch, f"{pass_.upper()}_STAGE", mode)
             _launch.clear_caches()
             plans.clear()
             x, dy, g = (cp.asarray(a) for a in case[:3])
             if op == "ln":
-                _, mean, rstd = cupyln.layer_norm_fwd(x, g, None)
-                out[mode] = cupyln.layer_norm_bwd(dy, x, g, mean, rstd)
+                fwd = cupyln.layer_norm_fwd(x, g, None)
+                out[mode] = fwd if pass_ == "fwd" else cupyln.layer_norm_bwd(dy, x, g, *fwd[1:])
             else:
-                _, rstd = cupyln.rms_norm_fwd(x, g)
-                out[mode] = cupyln.rms_norm_bwd(dy, x, g, rstd)
+                fwd = cupyln.rms_norm_fwd(x, g)
+                out[mode] = fwd if pass_ == "fwd" else cupyln.rms_norm_bwd(dy, x, g, fwd[1])
             (plan,) = plans
             grids[mode] = plan.grid
-            acc = _launch.ACC_DTYPES[dt].itemsize
-            threads = plan.block[0] * plan.block[1]
-            colsum = threads * plan.spec.vec * acc if plan.block[1] > 1 else 0
+            kerns = _compile.kernels(plan.spec, pass_)
+            staged = plan.kerns[pass_] is kerns[f"{pass_}_staged"]
+            chunked = pass_ == "fwd" and plan.kerns["fwd"] is kerns["fwd_chunked"]
             can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
-            assert (plan.smem > colsum) == (can and mode == "always"), (mode, plan.smem)
+            assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
+            assert (plan.smem > 0) >= staged
             check_case(op, *case)
     finally:
         _launch.clear_caches()
-    same_order = grids["always"] == grids["never"]
+    same_order = pass_ == "fwd" or grids["always"] == grids["never"]
     for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
         assert cp.array_equal(a, b) or (i > 0 and not same_order), i
 
