@@ -42,9 +42,12 @@ FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
 # the benchmark) RMSNorm takes 521.3 us instead of 556.7, LayerNorm 534.9 instead of 556.7
 # (S5-6; 256: 532.8 / 534.9; two rows per 256-thread block at cap 256: 521.9 / 539.6).
 FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
-# Staged forward rows (cp.async, as BWD_STAGE below): "auto" stages where the resident blocks
-# would loop over rows that span several warps, "always" / "never" (tests, tuning).
-# (measurements: benchmarks/NOTES.md, session 7)
+# Staged forward rows (cp.async, as BWD_STAGE below; a grid of the resident blocks, each looping
+# over rows). "auto" stages where only one block of the direct kernel fits on an SM, so no other
+# block's loads overlap its reductions: 4096x32768 f16 150.0 us against 172.7 direct. Where
+# several fit, blocks overlap one another and the direct kernel's one-row blocks were faster
+# (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
+# 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
 # Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
 # 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
@@ -238,10 +241,12 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     kern, block, smem = kerns["fwd" if g.fits else "fwd_chunked"], (g.tpr, g.rpb), 0
     stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if g.fits else 0
     if stage:
-        # staged: the resident blocks, each looping over rows with the next ones in flight
-        resident = info.sms * _blocks_per_sm(kerns["fwd_staged"], g.tpr * g.rpb, stage, info)
-        loops = g.tpr > info.warp and M > resident * g.rpb
-        if _stages(FWD_STAGE, loops):
+        # staged: the resident blocks, each looping over rows with the next ones in flight;
+        # "auto" where only one direct block fits on an SM (see FWD_STAGE)
+        threads = g.tpr * g.rpb
+        resident = info.sms * _blocks_per_sm(kerns["fwd_staged"], threads, stage, info)
+        alone = _blocks_per_sm(kern, threads, 0, info) == 1
+        if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             kern, smem = kerns["fwd_staged"], stage
             grid = (min(_cdiv(M, g.rpb), resident),)
     launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
