@@ -2,8 +2,8 @@
 
 Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
 staged rows (cp.async) and direct loads, for short rows (several per block), block rows, and
-long rows (row sums + column tiles); LayerNorm and RMSNorm. Exits non-zero when an output
-misses the reference tolerance.
+long rows (clusters of column tiles, or row sums + column tiles); LayerNorm and RMSNorm. Exits
+non-zero when an output misses the reference tolerance.
 """
 
 import sys
@@ -17,7 +17,9 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 9, 24, "bfloat16", None),
     ("layernorm", 33, 1000, "float32", None),        # one block per row
     ("rmsnorm", 33, 1000, "float16", None),
-    ("layernorm", 5, 40000, "float16", None),        # several chunks; long-row backward
+    ("layernorm", 5, 40000, "float16", None),        # several chunks; row sums + column tiles
+    ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
+    ("layernorm", 40, 16384, "bfloat16", "float32"),
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
     ("layernorm", 600, 4096, "bfloat16", None),      # medium
     ("rmsnorm", 600, 4096, "float16", "float32"),

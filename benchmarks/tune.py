@@ -42,7 +42,8 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 FWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", FWD_STAGE="always"), dict(SOURCE="current", FWD_STAGE="never")]
 BWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", BWD_STAGE="always"), dict(SOURCE="current", BWD_STAGE="never")]
+    dict(SOURCE="current", BWD_STAGE="never"), dict(SOURCE="current", BWD_CLUSTER=False),
+    dict(SOURCE="current", CLUSTER_NPT=2)]
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 

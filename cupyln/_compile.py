@@ -54,6 +54,8 @@ class Spec(NamedTuple):
         return {
             "bwd": f"norm_bwd<{a}, false>",
             "bwd_staged": f"norm_bwd<{a}, true>",
+            "bwd_cluster": f"norm_bwd_cluster<{a}, false>",
+            "bwd_cluster_staged": f"norm_bwd_cluster<{a}, true>",
             "rowsums": f"norm_bwd_rowsums<{a}>",
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }

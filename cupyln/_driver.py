@@ -27,6 +27,35 @@ def param_layout(kinds):
     return fmt, offs
 
 
+def allow_smem(kern, smem):
+    """Let ``kern`` use ``smem`` bytes of dynamic shared memory. Every kernel gets 48 KiB less
+    its static shared memory; more needs an opt-in (asked only near that size)."""
+    if smem > 40 * 1024 and smem > kern.max_dynamic_shared_size_bytes:
+        kern.max_dynamic_shared_size_bytes = smem
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("num_attrs", ctypes.c_uint)]
+
+
+def max_active_clusters(kern, cluster, block, smem):
+    """How many clusters of ``kern`` (whose cluster shape, ``cluster`` blocks along y, is fixed
+    at compile time) can run at once on its device (``cuOccupancyMaxActiveClusters``; a cluster's
+    blocks share one GPC, so this is not the resident blocks over the cluster size). 0 where the
+    driver cannot tell."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return 0
+    allow_smem(kern, smem)
+    cfg = _LaunchConfig((1, cluster, 1), (*block, 1, 1)[:3], smem, None, None, 0)
+    n = ctypes.c_int(0)
+    err = fn(ctypes.byref(n), ctypes.c_void_p(kern.kernel.ptr), ctypes.byref(cfg))
+    return n.value if err == 0 else 0
+
+
 class Launcher:
     """One kernel with a fixed grid, block and dynamic shared memory, on the device whose
     RawKernel it was made from. ``launcher(stream_ptr, *args)`` launches on that stream."""
@@ -39,10 +68,7 @@ class Launcher:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.smem = smem
-        # Every kernel gets 48 KiB less its static shared memory; more needs an opt-in (asked
-        # only near that size: today's plans stay far below it).
-        if smem > 40 * 1024 and smem > kern.max_dynamic_shared_size_bytes:
-            kern.max_dynamic_shared_size_bytes = smem
+        allow_smem(kern, smem)
         self._dims = (kern.kernel.ptr, *self.grid, *self.block, smem)
         fmt, offs = param_layout(kinds)
         self._pack = struct.Struct(fmt).pack_into

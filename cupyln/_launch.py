@@ -15,7 +15,7 @@ from typing import NamedTuple
 import cupy as cp
 import numpy as np
 
-from . import _compile
+from . import _compile, _driver
 from ._compile import ACC_DTYPES, Spec
 from ._driver import Launcher
 from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _param_dtype, _span
@@ -81,6 +81,11 @@ ATOMIC_FLUSH = False
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
+# Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (the kernel's
+# CLN_BWD_CLUSTER) of CLUSTER_NPT vectors per thread, which add their tiles' row sums through
+# distributed shared memory, so x and dy are read once instead of twice (norm_bwd_rowsums, then
+# the tiles). BWD_CLUSTER = False: the row sums path everywhere (tests, tuning).
+CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 1, True
 ROWSUMS_TPR = 1024
 
 
@@ -173,6 +178,7 @@ class DeviceInfo(NamedTuple):
     regs_per_sm: int
     smem_per_sm: int
     async_copy: bool  # cp.async (CUDA, compute capability 8.0 on): see CLN_ASYNC_COPY
+    clusters: bool  # thread-block clusters (CUDA, compute capability 9.0 on): CLN_CLUSTERS
 
 
 @functools.cache
@@ -186,6 +192,7 @@ def device_info(dev_id):
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
         async_copy=not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 80,
+        clusters=not cp.cuda.runtime.is_hip and int(dev.compute_capability) >= 90,
     )
 
 
@@ -282,19 +289,37 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     acc_size = ACC_DTYPES[dtype].itemsize
     launch = {}
+    cluster = False
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
         block = (g.tpr, g.rpb)
         colsum = g.tpr * g.rpb * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
         stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb, wdtype)
+        kerns = dict(_compile.kernels(spec, "bwd"))
     else:
-        spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
-        block = (TILE_TPR, 1)
-        colsum, stage = 0, _staging_bytes(info, dtype, vec, TILE_NPT, TILE_TPR, 1, wdtype)
-        tiles = _cdiv(N, TILE_TPR * TILE_NPT * vec)
-    kerns = dict(_compile.kernels(spec, "bwd"))
+        # column tiles: a cluster of CLUSTER_TILES blocks per row where the row fits in them
+        # (sm_90 on), else TILE_TPR-thread tiles after the row sums kernel
+        tpr = _round_up(_cdiv(N // vec, CLUSTER_TILES * CLUSTER_NPT), info.warp)
+        cluster = info.clusters and BWD_CLUSTER and tpr <= (1024 if CLUSTER_NPT == 1 else 512)
+        if cluster:
+            spec = Spec(dtype, wdtype, is_ln, vec, CLUSTER_NPT, info.warp)
+            kerns = dict(_compile.kernels(spec, "bwd"))
+            # (no answer from the driver: the row sums path)
+            cluster = _driver.max_active_clusters(kerns["bwd_cluster"], CLUSTER_TILES, (tpr, 1),
+                                                  0) > 0
+        if cluster:
+            block, tiles = (tpr, 1), CLUSTER_TILES
+            kerns["bwd"], kerns["bwd_staged"] = kerns["bwd_cluster"], kerns["bwd_cluster_staged"]
+        else:
+            spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
+            kerns = dict(_compile.kernels(spec, "bwd"))
+            block, tiles = (TILE_TPR, 1), _cdiv(N, TILE_TPR * TILE_NPT * vec)
+        colsum, stage = 0, _staging_bytes(info, dtype, vec, spec.npt, block[0], 1, wdtype)
 
     def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
+        if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
+            n = _driver.max_active_clusters(kern, tiles, block, smem)
+            return (max(1, min(M, n)), tiles)
         resident = info.sms * _blocks_per_sm(kern, block[0] * block[1], smem, info)
         if g.fits:
             return (min(_cdiv(M, g.rpb), resident), 1)
@@ -309,7 +334,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         grid = grid_of(kerns["bwd"], smem)
     else:
         smem = colsum
-    if not g.fits:
+    if not g.fits and not cluster:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)

@@ -9,6 +9,15 @@
 
 typedef long long cl_i64;
 
+// Stops the kernel with an error: for host/kernel mismatches that would give wrong results.
+__device__ __forceinline__ void cl_trap() {
+#ifdef CLN_HIP
+  __builtin_trap();
+#else
+  __trap();
+#endif
+}
+
 // 16-bit storage types: plain bits, converted explicitly so that the same source needs neither
 // cuda_fp16.h nor hip_fp16.h (their availability differs between NVRTC and hiprtc versions).
 struct cl_half { unsigned short bits; };
@@ -251,7 +260,7 @@ __device__ __forceinline__ void require_dynamic_smem(unsigned int bytes) {
 #if CLN_ASYNC_COPY
   unsigned int have;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-  if (have < bytes) __trap();
+  if (have < bytes) cl_trap();
 #endif
 }
 
@@ -348,6 +357,64 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
       for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
     }
   }
+}
+
+// Sums over the CL blocks of a thread-block cluster (CUDA sm_90 on): rows longer than one block
+// holds are split into CL column tiles, one per block of a cluster, and the blocks exchange
+// their tiles' sums through distributed shared memory instead of a second kernel reading the
+// rows again. Every block adds the CL sums in rank order, so all get bitwise identical totals.
+// `phase` alternates the buffers as in row_allreduce: a block writes the next row's sums only
+// after the next barrier, which every thread reaches only after reading this row's.
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CLN_CLUSTERS 1
+#define CLN_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
+#else
+#define CLN_CLUSTERS 0
+#define CLN_CLUSTER_DIMS(x, y, z)
+#endif
+
+// Barrier of every thread of every block of the cluster (release, then acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if CLN_CLUSTERS
+  asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+#if CLN_CLUSTERS
+__device__ __forceinline__ float ld_cluster(unsigned int a, float) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ double ld_cluster(unsigned int a, double) {
+  double v;
+  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(a) : "memory");
+  return v;
+}
+#endif
+
+template <int CL, int K, typename C>
+__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
+#if CLN_CLUSTERS
+  __shared__ C part[2][K];
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) part[phase & 1][k] = v[k];
+  }
+  cluster_sync();
+  const unsigned int mine = (unsigned int)__cvta_generic_to_shared(&part[phase & 1][0]);
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = C(0);
+#pragma unroll
+  for (int r = 0; r < CL; ++r) {
+    unsigned int a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(mine), "r"(r));
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += ld_cluster(a + k * (unsigned int)sizeof(C), C(0));
+  }
+#else
+  cl_trap();  // the planner launches cluster kernels only where clusters exist
+#endif
 }
 
 // (count, mean, M2) statistics merged with Chan et al.'s pairwise formula: numerically stable,

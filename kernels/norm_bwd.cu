@@ -9,8 +9,9 @@
 // partials into a zeroed 2N-vector with atomicAdd (the last block to finish casts that vector
 // into dgamma/dbeta and zeroes it for the next launch: one kernel), or writes them to its own
 // row of a [blocks, 2N] scratch that norm_bwd_reduce sums in a fixed order (deterministic).
-// Rows too long for registers take two kernels: norm_bwd_rowsums computes each row's two sums,
-// then norm_bwd runs on column tiles (gridDim.y > 1) with those sums given. Where blocks loop
+// Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
+// blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
+// after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
 // over rows, the staged variant (STAGE, CUDA sm_80 on) copies each block's next row into shared
 // memory while it reduces this one, so the row's loads stay in flight through its reductions.
 #include "common.cuh"
@@ -20,16 +21,23 @@
 // element before): 16-bit rows converted from 32-bit words, no per-element bounds selects (an
 // out-of-range vector loads as zeros: dy = 0 and gamma = 0 there, so it adds nothing), gamma
 // held across rows where it fits, dx by two fused multiply-adds, one 16-byte store per vector.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
-__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
-norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
-         const W* __restrict__ gamma, const float* __restrict__ mean,
-         const float* __restrict__ rstd, const typename Acc<T>::type* __restrict__ rowsums,
-         T* __restrict__ dx, W* __restrict__ dgamma, W* __restrict__ dbeta,
-         typename Acc<T>::type* __restrict__ accum, unsigned int* __restrict__ counter,
-         typename Acc<T>::type* __restrict__ partial, cl_i64 M, cl_i64 N) {
+#define CLN_BWD_PARAMS                                                                        \
+  const T *__restrict__ dy, cl_i64 lddy, const T *__restrict__ x, cl_i64 ldx,                \
+      const W *__restrict__ gamma, const float *__restrict__ mean,                           \
+      const float *__restrict__ rstd, const typename Acc<T>::type *__restrict__ rowsums,     \
+      T *__restrict__ dx, W *__restrict__ dgamma, W *__restrict__ dbeta,                     \
+      typename Acc<T>::type *__restrict__ accum, unsigned int *__restrict__ counter,          \
+      typename Acc<T>::type *__restrict__ partial, cl_i64 M, cl_i64 N
+#define CLN_BWD_ARGS \
+  dy, lddy, x, ldx, gamma, mean, rstd, rowsums, dx, dgamma, dbeta, accum, counter, partial, M, N
+
+// CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
+// and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
+__device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
+  if (CL > 1 && gridDim.y != CL) cl_trap();  // one cluster per row: the host's CLUSTER_TILES
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
@@ -153,6 +161,7 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
+      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase);  // the other tiles' sums
     }
     if (dx && valid) {
       // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
@@ -172,6 +181,8 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
   }
 
   async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused
+  // no block of a cluster exits while another may still read its last sums
+  if constexpr (CL > 1) cluster_sync();
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
   C* buf = reinterpret_cast<C*>(cl_smem);
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;  // this block's partials
@@ -229,6 +240,20 @@ norm_bwd(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 
     if (is_g) dgamma[c] = Store<W>::cvt(s);
     else dbeta[c - N] = Store<W>::cvt(s);
   }
+}
+
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
+__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS) {
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1>(CLN_BWD_ARGS);
+}
+
+// Long rows in clusters of CLN_BWD_CLUSTER column tiles (the planner's choice on sm_90 where a
+// row fits in that many blocks); elsewhere norm_bwd_rowsums, then norm_bwd on column tiles.
+#define CLN_BWD_CLUSTER 4
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
+__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
+CLN_CLUSTER_DIMS(1, CLN_BWD_CLUSTER, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CLN_BWD_CLUSTER>(CLN_BWD_ARGS);
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers

@@ -251,7 +251,7 @@ def test_staged_and_direct_rows_agree(monkeypatch, pass_, op, M, N):
             (plan,) = plans
             grids[mode] = plan.grid
             kerns = _compile.kernels(plan.spec, pass_)
-            staged = plan.kerns[pass_] is kerns[f"{pass_}_staged"]
+            staged = plan.kerns[pass_] in (kerns[f"{pass_}_staged"], kerns.get("bwd_cluster_staged"))
             chunked = pass_ == "fwd" and plan.kerns["fwd"] is kerns["fwd_chunked"]
             can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
             assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
@@ -262,6 +262,44 @@ def test_staged_and_direct_rows_agree(monkeypatch, pass_, op, M, N):
     same_order = pass_ == "fwd" or grids["always"] == grids["never"]
     for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
         assert cp.array_equal(a, b) or (i > 0 and not same_order), i
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(700, 20000, F16, F16), (5, 16384, BF16, F32),
+                                        (33, 32768, F16, F32), (1000, 9000, F32, F32),
+                                        (3, 4100, F64, F64)])
+def test_cluster_and_row_sums_backward(monkeypatch, op, M, N, dt, wdt):
+    """Long rows: clusters of column tiles that exchange their row sums (sm_90) and the row
+    sums kernel before the tiles both match the reference, deterministic and not; the plan takes
+    the cluster path exactly where the device has clusters and the row fits in its tiles."""
+    from cupyln import _compile, _launch
+
+    case = inputs(M, N, dt, wdt)
+    plans, plan_bwd = [], _launch.plan_bwd
+
+    def spy(*args):
+        plans.append(plan_bwd(*args))
+        return plans[-1]
+
+    spy.cache_clear = plan_bwd.cache_clear
+    monkeypatch.setattr(_launch, "plan_bwd", spy)
+    try:
+        for on in (True, False):
+            monkeypatch.setattr(_launch, "BWD_CLUSTER", on)
+            _launch.clear_caches()
+            plans.clear()
+            check_case(op, *case)
+            check_case(op, *case, deterministic=True)
+            plan = plans[0]
+            kerns = _compile.kernels(plan.spec, "bwd")
+            cluster = plan.kerns["bwd"] in (kerns["bwd_cluster"], kerns["bwd_cluster_staged"])
+            info = _launch.device_info(cp.cuda.Device().id)
+            fits = N // plan.spec.vec <= _launch.CLUSTER_TILES * 1024
+            assert cluster == (on and info.clusters and fits), plan.grid
+            assert ("rowsums" in plan.launch) != cluster
+            assert plan.grid[1] == _launch.CLUSTER_TILES or not cluster
+    finally:
+        _launch.clear_caches()
 
 
 # --------------------------------------------------------------------------- determinism
