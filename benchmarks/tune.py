@@ -10,6 +10,7 @@ backward are timed as the benchmark does; the kernels' register and local-memory
 printed with them, and the copy bandwidth of the same run first.
 """
 
+import json
 import os
 
 import cupy as cp
@@ -43,7 +44,11 @@ FWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", FWD_STAGE="always"), dict(SOURCE="current", FWD_STAGE="never")]
 BWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", BWD_STAGE="never"), dict(SOURCE="current", BWD_CLUSTER=False),
-    dict(SOURCE="current", CLUSTER_NPT=2)]
+    dict(SOURCE="current", CLUSTER_NPT=1)]
+# CUPYLN_TUNE_FWD / CUPYLN_TUNE_BWD='[{"SOURCE": "current", "CLUSTER_NPT": 1}, ...]' (JSON) time
+# those configurations instead.
+FWD = json.loads(os.environ.get("CUPYLN_TUNE_FWD", "null")) or FWD
+BWD = json.loads(os.environ.get("CUPYLN_TUNE_BWD", "null")) or BWD
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
 

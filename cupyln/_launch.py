@@ -85,7 +85,7 @@ TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vect
 # CLN_BWD_CLUSTER) of CLUSTER_NPT vectors per thread, which add their tiles' row sums through
 # distributed shared memory, so x and dy are read once instead of twice (norm_bwd_rowsums, then
 # the tiles). BWD_CLUSTER = False: the row sums path everywhere (tests, tuning).
-CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 1, True
+CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 2, True
 ROWSUMS_TPR = 1024
 
 
