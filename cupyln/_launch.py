@@ -49,13 +49,13 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
-# Backward also holds dy and two partial sums per element: one vector per thread, rows of up to
-# 1024 threads in one chunk (longer rows take the column-tile path); rows stacked up to 512
-# threads, so fewer blocks flush dgamma/dbeta partials. Measured on the H200 (tune.py, one run,
-# kernel v8b): one vector in 1024 threads was as fast or faster than two in 512 on every tuned
-# shape (16384x8192 bf16 306.7 vs 308.8 us, 4096x8192 f16 102.1 vs 104.0, 1151x8192 f16 52.7
-# vs 54.3); with the v4 kernel it had been slower (363 vs 350 us).
-BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 1, 1024, 512
+# Backward also holds dy and two partial sums per element: one vector per thread for rows of up
+# to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
+# rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
+# two vectors in 512 threads beat one in 1024 (S7-4, tune.py: 16384x8192 bf16 222.3 vs 249.4 us,
+# RMSNorm 221.4 vs 238.0, 4096x8192 f16 68.5 vs 75.7, 1151x8192 f16 33.5 vs 32.8); before
+# staging (kernel v8b) one in 1024 had been as fast or faster (306.7 vs 308.8 us).
+BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK = 1, 2, 512, 512
 # Small M: rows per block shrink until about BWD_SPREAD blocks per SM get work. Every backward
 # block also adds a row of dgamma/dbeta partials for the second kernel to read; fewer, fuller
 # blocks (1, 0.5, 0.25 per SM) made no consistent difference on the small shapes (tune.py, S3-9).
@@ -84,7 +84,9 @@ TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vect
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (the kernel's
 # CLN_BWD_CLUSTER) of CLUSTER_NPT vectors per thread, which add their tiles' row sums through
 # distributed shared memory, so x and dy are read once instead of twice (norm_bwd_rowsums, then
-# the tiles). BWD_CLUSTER = False: the row sums path everywhere (tests, tuning).
+# the tiles). BWD_CLUSTER = False: the row sums path everywhere (tests, tuning). Measured
+# (S7-2/S7-3, tune.py, us; clusters of 4 x 2 vectors / 4 x 1 / 8 x 2 / row sums path):
+# 4096x16384 f16 153.4 / 184.4 / 160.3 / 191.3, 4096x32768 f16 326.4 / 395.7 / 331.5 / 351.6.
 CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 2, True
 ROWSUMS_TPR = 1024
 
