@@ -43,7 +43,8 @@ class Spec(NamedTuple):
         return f"{t}, {w}, {ln}, {self.vec}, {self.npt}, {self.warp}"
 
     def names(self, pass_):
-        """The name expression of each kernel of one pass ('fwd' or 'bwd')."""
+        """The name expression of each kernel of one pass: 'fwd', 'bwd' (rows within a block) or
+        'bwd_long' (longer rows)."""
         a = self._args()
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -51,14 +52,18 @@ class Spec(NamedTuple):
             return {"fwd": f"norm_fwd<{a}, false>", "fwd_staged": f"norm_fwd<{a}, true>",
                     "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
-        return {
+        names = {
             "bwd": f"norm_bwd<{a}, false>",
             "bwd_staged": f"norm_bwd<{a}, true>",
-            "bwd_cluster": f"norm_bwd_cluster<{a}, false>",
-            "bwd_cluster_staged": f"norm_bwd_cluster<{a}, true>",
-            "rowsums": f"norm_bwd_rowsums<{a}>",
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
+        if pass_ == "bwd_long":  # rows longer than one block: column tiles
+            names.update({
+                "bwd_cluster": f"norm_bwd_cluster<{a}, false>",
+                "bwd_cluster_staged": f"norm_bwd_cluster<{a}, true>",
+                "rowsums": f"norm_bwd_rowsums<{a}>",
+            })
+        return names
 
     def __str__(self):
         op = "layernorm" if self.is_ln else "rmsnorm"

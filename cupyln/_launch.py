@@ -157,7 +157,8 @@ def all_kernel_names(warp):
     """Name expressions of every kernel the planner can launch on a device of this warp size."""
     pairs = [(FLOAT16, FLOAT16), (FLOAT16, FLOAT32), (BFLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
              (FLOAT32, FLOAT32), (FLOAT64, FLOAT64), (FLOAT64, FLOAT32)]
-    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": range(BWD_NPT_MIN, max(BWD_NPT, TILE_NPT) + 1)}
+    bwd_npts = range(BWD_NPT_MIN, max(BWD_NPT, TILE_NPT, CLUSTER_NPT) + 1)
+    passes = {"fwd": range(1, FWD_NPT + 1), "bwd": bwd_npts, "bwd_long": bwd_npts}
     names = set()
     for t, w in pairs:
         for ln in (True, False):
@@ -214,11 +215,12 @@ def _blocks_per_sm(kern, threads, smem, info):
 class Plan:
     """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
 
-    __slots__ = ("spec", "kerns", "grid", "block", "smem", "launch")
+    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch")
 
-    def __init__(self, spec, kerns, grid, block, smem, launch):
+    def __init__(self, spec, variant, kern, grid, block, smem, launch):
         self.spec = spec
-        self.kerns = kerns  # the pass's RawKernels on the plan's device
+        # the pass's main kernel: its name in the module (see Spec.names), its RawKernel
+        self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
 
@@ -247,19 +249,19 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
     kerns = _compile.kernels(spec, "fwd")
-    kern, block, smem = kerns["fwd" if g.fits else "fwd_chunked"], (g.tpr, g.rpb), 0
+    main, block, smem = "fwd" if g.fits else "fwd_chunked", (g.tpr, g.rpb), 0
     stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if g.fits else 0
     if stage:
         # staged: the resident blocks, each looping over rows with the next ones in flight;
         # "auto" where only one direct block fits on an SM (see FWD_STAGE)
         threads = g.tpr * g.rpb
         resident = info.sms * _blocks_per_sm(kerns["fwd_staged"], threads, stage, info)
-        alone = _blocks_per_sm(kern, threads, 0, info) == 1
+        alone = _blocks_per_sm(kerns[main], threads, 0, info) == 1
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
-            kern, smem = kerns["fwd_staged"], stage
+            main, smem = "fwd_staged", stage
             grid = (min(_cdiv(M, g.rpb), resident),)
-    launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, {"fwd": kern}, grid, block, smem, launch)
+    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
@@ -289,60 +291,56 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     if g.npt > 1:  # the kernel's launch bound: 512 threads when a thread holds two vectors
         g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
     g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
-    acc_size = ACC_DTYPES[dtype].itemsize
     launch = {}
-    cluster = False
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
-        block = (g.tpr, g.rpb)
-        colsum = g.tpr * g.rpb * vec * acc_size if g.rpb > 1 else 0  # sum over the block's rows
-        stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb, wdtype)
-        kerns = dict(_compile.kernels(spec, "bwd"))
+        kerns = _compile.kernels(spec, "bwd")
+        block, tiles, cluster = (g.tpr, g.rpb), 1, False
+        # the column sums over a block's rows
+        colsum = g.tpr * g.rpb * vec * ACC_DTYPES[dtype].itemsize if g.rpb > 1 else 0
     else:
         # column tiles: a cluster of CLUSTER_TILES blocks per row where the row fits in them
-        # (sm_90 on), else TILE_TPR-thread tiles after the row sums kernel
+        # (sm_90 on; the driver counts the clusters that fit, and where it cannot the row sums
+        # path is taken), else TILE_TPR-thread tiles after the row sums kernel
         tpr = _round_up(_cdiv(N // vec, CLUSTER_TILES * CLUSTER_NPT), info.warp)
         cluster = info.clusters and BWD_CLUSTER and tpr <= (1024 if CLUSTER_NPT == 1 else 512)
         if cluster:
             spec = Spec(dtype, wdtype, is_ln, vec, CLUSTER_NPT, info.warp)
-            kerns = dict(_compile.kernels(spec, "bwd"))
-            # (no answer from the driver: the row sums path)
+            kerns = _compile.kernels(spec, "bwd_long")
             cluster = _driver.max_active_clusters(kerns["bwd_cluster"], CLUSTER_TILES, (tpr, 1),
                                                   0) > 0
         if cluster:
             block, tiles = (tpr, 1), CLUSTER_TILES
-            kerns["bwd"], kerns["bwd_staged"] = kerns["bwd_cluster"], kerns["bwd_cluster_staged"]
         else:
             spec = Spec(dtype, wdtype, is_ln, vec, TILE_NPT, info.warp)
-            kerns = dict(_compile.kernels(spec, "bwd"))
+            kerns = _compile.kernels(spec, "bwd_long")
             block, tiles = (TILE_TPR, 1), _cdiv(N, TILE_TPR * TILE_NPT * vec)
-        colsum, stage = 0, _staging_bytes(info, dtype, vec, spec.npt, block[0], 1, wdtype)
+        colsum = 0
+    main = "bwd_cluster" if cluster else "bwd"
+    stage = _staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype)
 
     def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
         if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
-            n = _driver.max_active_clusters(kern, tiles, block, smem)
-            return (max(1, min(M, n)), tiles)
+            return (max(1, min(M, _driver.max_active_clusters(kern, tiles, block, smem))), tiles)
         resident = info.sms * _blocks_per_sm(kern, block[0] * block[1], smem, info)
-        if g.fits:
-            return (min(_cdiv(M, g.rpb), resident), 1)
-        return (max(1, min(M, _cdiv(resident, tiles))), tiles)
+        return (max(1, min(_cdiv(M, block[1]), _cdiv(resident, tiles))), tiles)
 
-    grid = grid_of(kerns["bwd"], colsum)
+    grid = grid_of(kerns[main], colsum)
     # Staged rows by default where blocks loop over rows that span several warps (BWD_STAGE).
     loops = block[0] > info.warp and M > grid[0] * block[1]
     if stage and _stages(BWD_STAGE, loops):
-        kerns["bwd"] = kerns["bwd_staged"]
+        main += "_staged"
         smem = max(colsum, stage)
-        grid = grid_of(kerns["bwd"], smem)
+        grid = grid_of(kerns[main], smem)
     else:
         smem = colsum
     if not g.fits and not cluster:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
-    launch["bwd"] = Launcher(kerns["bwd"], grid, block, smem, _BWD_ARGS)
+    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
     launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
-    return Plan(spec, kerns, grid, block, smem, launch)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
 # ----------------------------------------------------------------------------- layouts
