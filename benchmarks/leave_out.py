@@ -1,0 +1,49 @@
+"""Forward variants that leave a stage out, timed as the benchmark times them (device time).
+
+    python benchmarks/leave_out.py [op:M:N:dtype ...]
+
+For each shape: LayerNorm with gamma and beta, with gamma only, with neither, and RMSNorm with
+and without gamma, all on the same x; µs and % of the copy bandwidth of the same run. What the
+LayerNorm forward pays over RMSNorm's at the same shape splits into the parameter reads (beta)
+and the statistics (the centred second reduction, the mean store).
+"""
+
+import sys
+
+import cupy as cp
+import numpy as np
+
+import cupyln
+from cupyln.api import BFLOAT16
+from cupyln.bench import copy_bandwidth, device_us, make_inputs
+
+SHAPES = ["layernorm:16384:8192:bfloat16", "layernorm:4096:16384:float16",
+          "layernorm:4096:32768:float16", "layernorm:131072:4096:bfloat16"]
+
+
+def main(shapes):
+    copy = copy_bandwidth()
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for item in shapes:
+        _, M, N, dt = item.split(":")
+        M, N = int(M), int(N)
+        dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+        x, _, g, b = make_inputs(M, N, dtype)
+        variants = {
+            "layernorm gamma+beta": lambda: cupyln.layer_norm_fwd(x, g, b),
+            "layernorm gamma": lambda: cupyln.layer_norm_fwd(x, g, None),
+            "layernorm none": lambda: cupyln.layer_norm_fwd(x, None, None),
+            "rmsnorm gamma": lambda: cupyln.rms_norm_fwd(x, g),
+            "rmsnorm none": lambda: cupyln.rms_norm_fwd(x, None),
+        }
+        for name, fn in variants.items():
+            us = device_us(fn, n_repeat=30)
+            gbs = 2 * M * N * dtype.itemsize / us / 1e3  # x read, y written
+            print(f"{M:>6}x{N:<6} {dt:<8} {name:<21} {us:8.1f} us {100 * gbs / copy:5.1f}%",
+                  flush=True)
+        x = g = b = None
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or SHAPES)
