@@ -4,7 +4,8 @@
 # table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
-#   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times dir/cupyln_old), tune (benchmarks/tune.py) and ncu (Nsight
+#   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times dir/cupyln_old), tune (benchmarks/tune.py),
+#   leave_out (benchmarks/leave_out.py: forwards without beta / gamma) and ncu (Nsight
 #   Compute sections of one forward and backward, benchmarks/ncu_case.py; NCU_CASE="op M N dtype")
 #   small (kernel durations of the small shapes under Nsight Compute, all providers and
 #   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
@@ -50,6 +51,7 @@ for s in $stages; do
       done ;;
     hostprof) run hostprof python3 benchmarks/hostprof.py ${HOSTPROF_OLD:-} ;;
     tune) run tune python3 benchmarks/tune.py ;;
+    leave_out) run leave_out python3 benchmarks/leave_out.py ;;
     ncu) run ncu ncu --clock-control none --section SpeedOfLight --section Occupancy \
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
@@ -67,6 +69,7 @@ mkdir -p "$OUT/cache" && tar czf "$OUT/cache/cache.tgz" -C "$CUPY_CACHE_DIR" . 2
 echo; echo "==== failures (first lines) ===="
 grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
 [ -f "$OUT/tune.log" ] && { echo; echo "==== tune ===="; cat "$OUT/tune.log"; }
+[ -f "$OUT/leave_out.log" ] && { echo; echo "==== leave_out ===="; cat "$OUT/leave_out.log"; }
 [ -f "$OUT/hostprof.log" ] && { echo; echo "==== hostprof ===="; grep -B100 -m1 -e "----" "$OUT/hostprof.log"; }
 [ -f "$OUT/small.log" ] && { echo; echo "==== small (ncu kernel durations) ===="; cat "$OUT/small.log"; }
 [ -f "$OUT/stalls.log" ] && { echo; echo "==== stalls (ncu, small shapes) ===="; cat "$OUT/stalls.log"; }
