@@ -276,10 +276,10 @@ def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
     return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
 
 
-def _stages(mode, loops):
-    """Whether a pass stages its rows: ``mode`` is FWD_STAGE / BWD_STAGE, ``loops`` whether the
-    plan's blocks loop over rows that span several warps (where "auto" stages)."""
-    return mode == "always" or (mode == "auto" and loops)
+def _stages(mode, rule):
+    """Whether a pass stages its rows: ``mode`` is FWD_STAGE / BWD_STAGE ("always", "never", or
+    "auto": where the pass's own ``rule`` holds; see those constants)."""
+    return mode == "always" or (mode == "auto" and rule)
 
 
 @functools.cache
