@@ -2,10 +2,11 @@
 
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
 type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread and the
-warp size. One module holds the kernels of one pass of a specialization (the forward kernel; or
-the backward kernel with its row-sum and partial-reduction kernels), so a call compiles only
-what it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``)
-keeps the binaries across processes.
+warp size. One module holds the kernels of one pass of a specialization (the forward kernels;
+the backward kernels of rows within a block with the partial reduction; or, for longer rows,
+the column-tile kernels with the row sums and the partial reduction), so a call compiles little
+more than it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across
+processes.
 """
 
 from __future__ import annotations
