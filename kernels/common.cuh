@@ -364,9 +364,7 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
 // their tiles' sums through distributed shared memory instead of a second kernel reading the
 // rows again. Every block adds the CL sums in rank order, so all get bitwise identical totals.
 // `phase` alternates the buffers as in row_allreduce: a block writes the next row's sums only
-// after the next barrier, which every thread reaches only after reading this row's. The caller
-// syncs the cluster once before the first call (no block's shared memory is written before that
-// block runs) and once after the last (none exits while its sums may still be written or read).
+// after the next barrier, which every thread reaches only after reading this row's.
 #if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define CLN_CLUSTERS 1
 #define CLN_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
@@ -383,41 +381,37 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 #if CLN_CLUSTERS
-__device__ __forceinline__ void st_cluster(unsigned int a, float v) {
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+__device__ __forceinline__ float ld_cluster(unsigned int a, float) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+  return v;
 }
-__device__ __forceinline__ void st_cluster(unsigned int a, double v) {
-  asm volatile("st.shared::cluster.f64 [%0], %1;" ::"r"(a), "d"(v) : "memory");
+__device__ __forceinline__ double ld_cluster(unsigned int a, double) {
+  double v;
+  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(a) : "memory");
+  return v;
 }
 #endif
 
-// Each block's first thread stores the block's K sums into its own slot of every block's
-// buffer (CL * K remote stores per block and row); after the barrier every thread reads the CL
-// slots from its own block's shared memory. (Every thread reading the other blocks' sums, S7-2,
-// made CL * K remote loads per thread and row.)
 template <int CL, int K, typename C>
 __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
 #if CLN_CLUSTERS
-  __shared__ C part[2][CL][K];
+  __shared__ C part[2][K];
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    unsigned int rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    const unsigned int mine = (unsigned int)__cvta_generic_to_shared(&part[phase & 1][rank][0]);
 #pragma unroll
-    for (int r = 0; r < CL; ++r) {
-      unsigned int a;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(mine), "r"(r));
-#pragma unroll
-      for (int k = 0; k < K; ++k) st_cluster(a + k * (unsigned int)sizeof(C), v[k]);
-    }
+    for (int k = 0; k < K; ++k) part[phase & 1][k] = v[k];
   }
   cluster_sync();
+  const unsigned int mine = (unsigned int)__cvta_generic_to_shared(&part[phase & 1][0]);
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = C(0);
 #pragma unroll
-  for (int r = 0; r < CL; ++r)
+  for (int r = 0; r < CL; ++r) {
+    unsigned int a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(mine), "r"(r));
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] += part[phase & 1][r][k];
+    for (int k = 0; k < K; ++k) v[k] += ld_cluster(a + k * (unsigned int)sizeof(C), C(0));
+  }
 #else
   cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif

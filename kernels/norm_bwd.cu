@@ -38,8 +38,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
   if (CL > 1 && gridDim.y != CL) cl_trap();  // one cluster per row: the host's CLUSTER_TILES
-  // every block of the cluster is running before another stores into its shared memory
-  if constexpr (CL > 1) cluster_sync();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
