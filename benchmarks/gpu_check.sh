@@ -4,9 +4,10 @@
 # table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
-#   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times dir/cupyln_old), tune (benchmarks/tune.py),
-#   leave_out (benchmarks/leave_out.py: forwards without beta / gamma) and ncu (Nsight
-#   Compute sections of one forward and backward, benchmarks/ncu_case.py; NCU_CASE="op M N dtype")
+#   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
+#   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
+#   without beta / gamma), ncu (Nsight Compute sections of one forward and backward,
+#   benchmarks/ncu_case.py; NCU_CASE="op M N dtype"),
 #   small (kernel durations of the small shapes under Nsight Compute, all providers and
 #   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
 set -uo pipefail
