@@ -1,12 +1,12 @@
 """Kernel source -> ``cupy.RawModule``: one cached module per (device, specialization).
 
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
-type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread and the
-warp size. One module holds the kernels of one pass of a specialization (the forward kernels;
-the backward kernels of rows within a block with the partial reduction; or, for longer rows,
-the column-tile kernels with the row sums and the partial reduction), so a call compiles little
-more than it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across
-processes.
+type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
+warp size and, for the long-row backward, the blocks of a thread-block cluster. One module holds
+the kernels of one pass of a specialization (the forward kernels; the backward kernels of rows
+within a block with the partial reduction; or, for longer rows, the column-tile kernels with the
+row sums and the partial reduction), so a call compiles little more than it launches. CuPy's
+own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across processes.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Spec(NamedTuple):
     vec: int  # elements per vector access
     npt: int  # vectors per thread per chunk
     warp: int  # 32 or 64
+    tiles: int = 1  # long-row backward: blocks per thread-block cluster (1: no cluster kernels)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -59,18 +60,17 @@ class Spec(NamedTuple):
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
         if pass_ == "bwd_long":  # rows longer than one block: column tiles
-            names.update({
-                "bwd_cluster": f"norm_bwd_cluster<{a}, false>",
-                "bwd_cluster_staged": f"norm_bwd_cluster<{a}, true>",
-                "rowsums": f"norm_bwd_rowsums<{a}>",
-            })
+            names["rowsums"] = f"norm_bwd_rowsums<{a}>"
+            if self.tiles > 1:  # in clusters of `tiles` blocks
+                names["bwd_cluster"] = f"norm_bwd_cluster<{a}, false, {self.tiles}>"
+                names["bwd_cluster_staged"] = f"norm_bwd_cluster<{a}, true, {self.tiles}>"
         return names
 
     def __str__(self):
         op = "layernorm" if self.is_ln else "rmsnorm"
         return (
             f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
-            f"warp={self.warp}]"
+            f"warp={self.warp}" + (f", tiles={self.tiles}]" if self.tiles > 1 else "]")
         )
 
 

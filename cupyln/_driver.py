@@ -10,6 +10,7 @@ Arguments are described by one letter each: ``p`` pointer (an int address, 0 for
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 
@@ -40,6 +41,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
                 ("num_attrs", ctypes.c_uint)]
 
 
+@functools.cache  # asked once per plan and grid (the planner asks again for its grid)
 def max_active_clusters(kern, cluster, block, smem):
     """How many clusters of ``kern`` (whose cluster shape, ``cluster`` blocks along y, is fixed
     at compile time) can run at once on its device (``cuOccupancyMaxActiveClusters``; a cluster's

@@ -71,6 +71,11 @@ BWD_SPREAD = 2
 # the small shapes: 32x512 f16 15.8 vs 8.1 us, 192x1024 bf16 40.6 vs 14.2), so both modes use
 # them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
+# A backward grid of at most FUSED_REDUCE_BLOCKS blocks (its rows unspread, see BWD_SPREAD) sums
+# the blocks' partials in its last block (found by the atomic flush's ticket counter), in
+# norm_bwd_reduce's order: one launch instead of two, which is host time (#5: a driver launch
+# is 3.6-5.7 us on these hosts) and one kernel boundary on the GPU.
+FUSED_REDUCE_BLOCKS = 8
 # Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
 # next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-5,
 # tune.py, staged / direct): 131072x4096 bf16 885.0 / 1022.5 us, RMSNorm 877.7 / 1042.5,
@@ -81,12 +86,13 @@ ATOMIC_FLUSH = False
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
-# Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (the kernel's
-# CLN_BWD_CLUSTER) of CLUSTER_NPT vectors per thread, which add their tiles' row sums through
-# distributed shared memory, so x and dy are read once instead of twice (norm_bwd_rowsums, then
-# the tiles). BWD_CLUSTER = False: the row sums path everywhere (tests, tuning). Measured
-# (S7-2/S7-3, tune.py, us; clusters of 4 x 2 vectors / 4 x 1 / 8 x 2 / row sums path):
-# 4096x16384 f16 153.4 / 184.4 / 160.3 / 191.3, 4096x32768 f16 326.4 / 395.7 / 331.5 / 351.6.
+# Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
+# argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
+# row sums through distributed shared memory, so x and dy are read once instead of twice
+# (norm_bwd_rowsums, then the tiles). BWD_CLUSTER = False: the row sums path everywhere (tests,
+# tuning). Measured (S7-2/S7-3, tune.py, us; clusters of 4 x 2 vectors / 4 x 1 / 8 x 2 / row
+# sums path): 4096x16384 f16 153.4 / 184.4 / 160.3 / 191.3, 4096x32768 f16 326.4 / 395.7 /
+# 331.5 / 351.6.
 CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 2, True
 ROWSUMS_TPR = 1024
 
@@ -167,7 +173,8 @@ def all_kernel_names(warp):
                     for n in npts:
                         if n & (n - 1):
                             continue  # vectors per thread are powers of two
-                        names.update(Spec(t, w, ln, v, n, warp).names(pass_).values())
+                        tiles = CLUSTER_TILES if pass_ == "bwd_long" else 1
+                        names.update(Spec(t, w, ln, v, n, warp, tiles).names(pass_).values())
     return names
 
 
@@ -282,15 +289,21 @@ def _stages(mode, rule):
     return mode == "always" or (mode == "auto" and rule)
 
 
+def _bwd_threads(npt):
+    """The backward kernels' launch bound: threads per block at ``npt`` vectors per thread."""
+    return 1024 if npt == 1 else 512
+
+
 @functools.cache
 def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     """Backward geometry. The grid depends only on (device, dtypes, M, N, vec), so the
     deterministic reduction order is the same on every call."""
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
-    if g.npt > 1:  # the kernel's launch bound: 512 threads when a thread holds two vectors
-        g = g._replace(rpb=max(1, min(g.rpb, 512 // g.tpr)))
-    g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
+    g = g._replace(rpb=max(1, min(g.rpb, _bwd_threads(g.npt) // g.tpr)))
+    fused = g.fits and _cdiv(M, g.rpb) <= FUSED_REDUCE_BLOCKS
+    if not fused:
+        g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     launch = {}
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
@@ -303,9 +316,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         # (sm_90 on; the driver counts the clusters that fit, and where it cannot the row sums
         # path is taken), else TILE_TPR-thread tiles after the row sums kernel
         tpr = _round_up(_cdiv(N // vec, CLUSTER_TILES * CLUSTER_NPT), info.warp)
-        cluster = info.clusters and BWD_CLUSTER and tpr <= (1024 if CLUSTER_NPT == 1 else 512)
+        cluster = info.clusters and BWD_CLUSTER and tpr <= _bwd_threads(CLUSTER_NPT)
         if cluster:
-            spec = Spec(dtype, wdtype, is_ln, vec, CLUSTER_NPT, info.warp)
+            spec = Spec(dtype, wdtype, is_ln, vec, CLUSTER_NPT, info.warp, CLUSTER_TILES)
             kerns = _compile.kernels(spec, "bwd_long")
             cluster = _driver.max_active_clusters(kerns["bwd_cluster"], CLUSTER_TILES, (tpr, 1),
                                                   0) > 0
@@ -339,7 +352,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
+    if not fused:
+        launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
+                                    _REDUCE_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -585,7 +600,7 @@ class _HotFwd:
 
 class _HotBwd:
     __slots__ = ("dev", "launch", "layout", "given", "want", "consts", "xmask", "wmask",
-                 "atomic", "acc_bytes", "ext", "rowsums", "partial", "scratch_only")
+                 "atomic", "counted", "acc_bytes", "ext", "rowsums", "partial", "scratch_only")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
                  M, N):
@@ -598,14 +613,17 @@ class _HotBwd:
                if want[i] and (self.given is None or not self.given[i])]
         # scratch after the outputs, in the same allocation (held while the outputs live): the
         # dgamma/dbeta partials of each block, the row sums of long rows, and (only while a graph
-        # is being captured) the atomic flush's zeroed counter and sums (see _atomic_scratch)
+        # is being captured) the zeroed ticket counter and atomic sums (see _atomic_scratch)
         P = plan.grid[0]
         params = want[1] or want[2]
         self.atomic = params and not partials
-        self.acc_bytes = _ACC_OFFSET + 2 * N * acc.itemsize
+        # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
+        # where the plan has no reduction kernel
+        self.counted = self.atomic or (params and "reduce" not in plan.launch)
+        self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
                    "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
-                   "own": self.acc_bytes if self.atomic else 0}
+                   "own": self.acc_bytes if self.counted else 0}
         self.layout = _Layout(new, [n for n in scratch.values() if n])
         offs = iter(self.layout.scratch)
         self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
@@ -645,27 +663,29 @@ class _HotBwd:
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = 0 if self.partial is None else base + self.partial
         cnt = ap = 0
-        if self.atomic:  # float32 atomics into zeroed sums, the last block by a counter
+        if self.counted:
             cnt = _atomic_scratch(self.dev, stream, self.acc_bytes, base + own)
-            ap = cnt + _ACC_OFFSET
+            if self.atomic:  # float32 atomics into zeroed sums after the counter
+                ap = cnt + _ACC_OFFSET
         launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M,
                       N)
-        if pp:
+        if pp and "reduce" in launch:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
 
 
 _NONE3 = (None, None, None)
 _ACC_OFFSET = 256  # the counter, then the sums (256-byte aligned)
-_SCRATCH = {}  # (device, stream) -> zeroed memory of the atomic flush
+_SCRATCH = {}  # (device, stream) -> zeroed memory of the flushes by the last block
 
 
 def _atomic_scratch(dev, stream, nbytes, own):
-    """Address of ``nbytes`` of zeroed memory (a ticket counter, then the sums) for an atomic
-    flush on ``stream``. The kernel leaves it zeroed again, so launches on one stream (which run
-    in order) share one; launches on other streams, which may run at the same time, have their
-    own. A call being captured into a CUDA graph uses ``own`` (the address of its own scratch),
-    zeroed by a memset captured with it: the graph may be replayed on any stream."""
+    """Address of ``nbytes`` of zeroed memory (a ticket counter, then the atomic flush's sums)
+    for a backward whose last block flushes, on ``stream``. The kernel leaves it zeroed again,
+    so launches on one stream (which run in order) share one; launches on other streams, which
+    may run at the same time, have their own. A call being captured into a CUDA graph uses
+    ``own`` (the address of its own scratch), zeroed by a memset captured with it: the graph may
+    be replayed on any stream."""
     if _is_capturing(stream):
         cp.cuda.runtime.memsetAsync(own, 0, nbytes, stream)
         return own

@@ -449,3 +449,14 @@ __device__ __forceinline__ void block_column_sums(const C (&v)[V], C* buf, F emi
     emit(c, s);
   }
 }
+
+// The dgamma/dbeta partials of P blocks ([P, stride] rows), summed over P in one fixed order:
+// eight interleaved sums (group r takes rows r, r + 8, r + 16, ...), then the eight in order.
+// norm_bwd_reduce spreads the groups over threadIdx.y; a backward of few blocks sums its own
+// partials in its last block, all groups in one thread: the same order, the same bits.
+template <typename C, typename Ptr>
+__device__ __forceinline__ C partial_group(Ptr col, int r, cl_i64 P, cl_i64 stride) {
+  C s = C(0);
+  for (cl_i64 p = r; p < P; p += 8) s += col[p * stride];
+  return s;
+}

@@ -8,7 +8,8 @@
 // dgamma/dbeta partial sums of its rows in registers. At the end each block either adds its
 // partials into a zeroed 2N-vector with atomicAdd (the last block to finish casts that vector
 // into dgamma/dbeta and zeroes it for the next launch: one kernel), or writes them to its own
-// row of a [blocks, 2N] scratch that norm_bwd_reduce sums in a fixed order (deterministic).
+// row of a [blocks, 2N] scratch that norm_bwd_reduce sums in a fixed order (deterministic); a
+// grid of few blocks sums those rows itself, in its last block, in the same order (one kernel).
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
 // after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
@@ -218,11 +219,13 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
     if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
   }
-  if (partial) return;  // summed by norm_bwd_reduce
+  if (partial && !counter) return;  // summed by norm_bwd_reduce
 
-  // Atomic flush: the last block to finish (a ticket counter) casts the sums into dgamma/dbeta
-  // and zeroes them again. The ticket wraps back to 0 after the last block, so the counter and
-  // the accumulators are ready for the next launch without a memset.
+  // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
+  // few blocks, the host's choice) it sums every block's row as norm_bwd_reduce would; with the
+  // atomic flush it casts the sums and zeroes them again. The ticket wraps back to 0 after the
+  // last block, so the counter and the accumulators are ready for the next launch without a
+  // memset.
   __shared__ bool is_last;
   __threadfence();
   __syncthreads();
@@ -231,6 +234,19 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  if (partial) {
+    const volatile C* part = partial;  // other blocks' rows: past L1
+    for (cl_i64 c = tid; c < 2 * N; c += threads) {
+      const bool is_g = c < N;
+      if (!(is_g ? want_g : want_b)) continue;
+      C tot = C(0);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) tot += partial_group<C>(part + c, r, gridDim.x, 2 * N);
+      if (is_g) dgamma[c] = Store<W>::cvt(tot);
+      else dbeta[c - N] = Store<W>::cvt(tot);
+    }
+    return;
+  }
   volatile C* acc = accum;
   for (cl_i64 c = tid; c < 2 * N; c += (cl_i64)blockDim.x * blockDim.y) {
     const bool is_g = c < N;  // [0, N): dgamma, [N, 2N): dbeta
@@ -247,13 +263,13 @@ __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1>(CLN_BWD_ARGS);
 }
 
-// Long rows in clusters of CLN_BWD_CLUSTER column tiles (the planner's choice on sm_90 where a
-// row fits in that many blocks); elsewhere norm_bwd_rowsums, then norm_bwd on column tiles.
-#define CLN_BWD_CLUSTER 4
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
+// Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in
+// that many blocks; CL is its CLUSTER_TILES); elsewhere norm_bwd_rowsums, then norm_bwd on
+// column tiles.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
-CLN_CLUSTER_DIMS(1, CLN_BWD_CLUSTER, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CLN_BWD_CLUSTER>(CLN_BWD_ARGS);
+CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL>(CLN_BWD_ARGS);
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers
@@ -303,8 +319,8 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
 }
 
 // Deterministic dgamma/dbeta: sum the [P, 2N] partials over P in a fixed order and cast.
-// blockDim = (32, 8): 32 columns per block, 8 strided partial rows per column, then a fixed
-// sequential sum of the 8.
+// blockDim = (32, 8): 32 columns per block, one of partial_group's eight groups per threadIdx.y,
+// then the eight in order.
 template <typename C, typename W>
 __global__ void __launch_bounds__(256)
 norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict__ dgamma,
@@ -315,9 +331,7 @@ norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict
   W* out = is_g ? dgamma : dbeta;
   const bool active = col < 2 * N && out != nullptr;
   C s = C(0);
-  if (active) {
-    for (cl_i64 p = threadIdx.y; p < P; p += 8) s += partial[p * 2 * N + col];
-  }
+  if (active) s = partial_group<C>(partial + col, threadIdx.y, P, 2 * N);
   part[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && active) {

@@ -211,6 +211,48 @@ def test_atomic_flush(atomic_flush, op, M, N):
     check_case(op, *inputs(M, N, dt, wdt), need=(False, True, False))
 
 
+# --------------------------------------------------------------------------- plans
+
+
+class Plans(list):
+    """The plans the calls make, once :meth:`spy` has started recording a pass's planner."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.monkeypatch = monkeypatch
+
+    def spy(self, pass_):
+        """Record every plan that plan_fwd ("fwd") or plan_bwd ("bwd") returns."""
+        from cupyln import _launch
+
+        fn = getattr(_launch, f"plan_{pass_}")
+
+        def record(*args):
+            self.append(fn(*args))
+            return self[-1]
+
+        record.cache_clear = fn.cache_clear
+        self.monkeypatch.setattr(_launch, f"plan_{pass_}", record)
+
+    def replan(self, **constants):
+        """Set planner constants, forget every plan and remembered call, clear the record."""
+        from cupyln import _launch
+
+        for name, value in constants.items():
+            self.monkeypatch.setattr(_launch, name, value)
+        _launch.clear_caches()
+        self.clear()
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """A :class:`Plans` record; no plan made under patched constants outlives the test."""
+    from cupyln import _launch
+
+    yield Plans(monkeypatch)
+    _launch.clear_caches()
+
+
 # --------------------------------------------------------------------------- staged rows
 
 
@@ -218,7 +260,7 @@ def test_atomic_flush(atomic_flush, op, M, N):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N", [(37, 33), (1025, 760), (199, 4096), (3001, 4096), (700, 8192),
                                  (9, 20000), (700, 20000), (65537, 129), (5000, 1000)])
-def test_staged_and_direct_rows_agree(monkeypatch, pass_, op, M, N):
+def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
     """Staged rows (cp.async into shared memory) against direct loads, forward and backward, on
     shapes either path can take: each matches the reference, and the two agree bitwise (the same
     arithmetic in the same order; the backward's dgamma/dbeta where both kernels get the same
@@ -227,37 +269,25 @@ def test_staged_and_direct_rows_agree(monkeypatch, pass_, op, M, N):
 
     dt, wdt = PAIRS[(M + N) % len(PAIRS)]
     case = inputs(M, N, dt, wdt)
-    plans, plan_fn = [], getattr(_launch, f"plan_{pass_}")
-
-    def spy(*args):
-        plans.append(plan_fn(*args))
-        return plans[-1]
-
-    spy.cache_clear = plan_fn.cache_clear
-    monkeypatch.setattr(_launch, f"plan_{pass_}", spy)
+    plans.spy(pass_)
     out, grids = {}, {}
-    try:
-        for mode in ("always", "never"):
-            monkeypatch.setattr(_launch, f"{pass_.upper()}_STAGE", mode)
-            _launch.clear_caches()
-            plans.clear()
-            x, dy, g = (cp.asarray(a) for a in case[:3])
-            if op == "ln":
-                fwd = cupyln.layer_norm_fwd(x, g, None)
-                out[mode] = fwd if pass_ == "fwd" else cupyln.layer_norm_bwd(dy, x, g, *fwd[1:])
-            else:
-                fwd = cupyln.rms_norm_fwd(x, g)
-                out[mode] = fwd if pass_ == "fwd" else cupyln.rms_norm_bwd(dy, x, g, fwd[1])
-            (plan,) = plans
-            grids[mode] = plan.grid
-            staged = plan.variant.endswith("_staged")
-            chunked = plan.variant == "fwd_chunked"
-            can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
-            assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
-            assert (plan.smem > 0) >= staged
-            check_case(op, *case)
-    finally:
-        _launch.clear_caches()
+    for mode in ("always", "never"):
+        plans.replan(**{f"{pass_.upper()}_STAGE": mode})
+        x, dy, g = (cp.asarray(a) for a in case[:3])
+        if op == "ln":
+            fwd = cupyln.layer_norm_fwd(x, g, None)
+            out[mode] = fwd if pass_ == "fwd" else cupyln.layer_norm_bwd(dy, x, g, *fwd[1:])
+        else:
+            fwd = cupyln.rms_norm_fwd(x, g)
+            out[mode] = fwd if pass_ == "fwd" else cupyln.rms_norm_bwd(dy, x, g, fwd[1])
+        (plan,) = plans
+        grids[mode] = plan.grid
+        staged = plan.variant.endswith("_staged")
+        chunked = plan.variant == "fwd_chunked"
+        can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
+        assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
+        assert (plan.smem > 0) >= staged
+        check_case(op, *case)
     same_order = pass_ == "fwd" or grids["always"] == grids["never"]
     for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
         assert cp.array_equal(a, b) or (i > 0 and not same_order), i
@@ -267,37 +297,50 @@ def test_staged_and_direct_rows_agree(monkeypatch, pass_, op, M, N):
 @pytest.mark.parametrize("M,N,dt,wdt", [(700, 20000, F16, F16), (5, 16384, BF16, F32),
                                         (33, 32768, F16, F32), (1000, 9000, F32, F32),
                                         (3, 4100, F64, F64)])
-def test_cluster_and_row_sums_backward(monkeypatch, op, M, N, dt, wdt):
+def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
     """Long rows: clusters of column tiles that exchange their row sums (sm_90) and the row
     sums kernel before the tiles both match the reference, deterministic and not; the plan takes
     the cluster path exactly where the device has clusters and the row fits in its tiles."""
     from cupyln import _launch
 
     case = inputs(M, N, dt, wdt)
-    plans, plan_bwd = [], _launch.plan_bwd
+    plans.spy("bwd")
+    for on in (True, False):
+        plans.replan(BWD_CLUSTER=on)
+        check_case(op, *case)
+        check_case(op, *case, deterministic=True)
+        plan = plans[0]
+        cluster = plan.variant.startswith("bwd_cluster")
+        info = _launch.device_info(cp.cuda.Device().id)
+        fits = N // plan.spec.vec <= _launch.CLUSTER_TILES * 1024
+        assert cluster == (on and info.clusters and fits), plan.grid
+        assert ("rowsums" in plan.launch) != cluster
+        assert plan.grid[1] == _launch.CLUSTER_TILES or not cluster
 
-    def spy(*args):
-        plans.append(plan_bwd(*args))
-        return plans[-1]
 
-    spy.cache_clear = plan_bwd.cache_clear
-    monkeypatch.setattr(_launch, "plan_bwd", spy)
-    try:
-        for on in (True, False):
-            monkeypatch.setattr(_launch, "BWD_CLUSTER", on)
-            _launch.clear_caches()
-            plans.clear()
-            check_case(op, *case)
-            check_case(op, *case, deterministic=True)
-            plan = plans[0]
-            cluster = plan.variant.startswith("bwd_cluster")
-            info = _launch.device_info(cp.cuda.Device().id)
-            fits = N // plan.spec.vec <= _launch.CLUSTER_TILES * 1024
-            assert cluster == (on and info.clusters and fits), plan.grid
-            assert ("rowsums" in plan.launch) != cluster
-            assert plan.grid[1] == _launch.CLUSTER_TILES or not cluster
-    finally:
-        _launch.clear_caches()
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(32, 512, F16, F16), (1, 1, F32, F32),
+                                        (37, 33, BF16, F32), (5, 4096, F16, F32),
+                                        (8, 1000, F32, F32), (16, 2048, BF16, BF16),
+                                        (3, 300, F64, F64)])
+def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
+    """A grid of few blocks sums its dgamma/dbeta partials in its last block (one kernel): it
+    matches the reference, deterministic or not, with either parameter gradient alone too; and
+    on the same grid (rows not spread over more blocks) it gives bitwise what the separate
+    reduction kernel gives."""
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    got = {}
+    for fused in (True, False):
+        plans.replan(BWD_SPREAD=0, FUSED_REDUCE_BLOCKS=8 if fused else 0)
+        got[fused] = check_case(op, *case, deterministic=True)
+        check_case(op, *case)
+        check_case(op, *case, need=(False, op == "rms", op == "ln"))
+        plan = plans[0]
+        assert ("reduce" in plan.launch) != fused, plan.grid
+        assert plan.grid[0] <= 8 or not fused
+    for a, b in zip(got[True], got[False], strict=True):
+        assert (a is None and b is None) or cp.array_equal(a, b)
 
 
 # --------------------------------------------------------------------------- determinism
