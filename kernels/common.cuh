@@ -450,13 +450,29 @@ __device__ __forceinline__ void block_column_sums(const C (&v)[V], C* buf, F emi
   }
 }
 
+// A load that skips L1: data written by other blocks (of this launch or an earlier one).
+template <typename C> __device__ __forceinline__ C load_l2(const C* p) {
+#if CLN_HIP
+  return *reinterpret_cast<const volatile C*>(p);
+#else
+  return __ldcg(p);
+#endif
+}
+
 // The dgamma/dbeta partials of P blocks ([P, stride] rows), summed over P in one fixed order:
-// eight interleaved sums (group r takes rows r, r + 8, r + 16, ...), then the eight in order.
-// norm_bwd_reduce spreads the groups over threadIdx.y; a backward of few blocks sums its own
-// partials in its last block, all groups in one thread: the same order, the same bits.
-template <typename C, typename Ptr>
-__device__ __forceinline__ C partial_group(Ptr col, int r, cl_i64 P, cl_i64 stride) {
-  C s = C(0);
-  for (cl_i64 p = r; p < P; p += 8) s += col[p * stride];
-  return s;
+// eight interleaved groups (group r takes rows r, r + 8, r + 16, ...), each summed in row order,
+// then the eight added in order. This computes groups r0 .. r0 + G - 1 of column `col`, their
+// loads issued together. norm_bwd_reduce spreads the groups over threadIdx.y (G = 1); a backward
+// of few blocks sums its own partials in its last block, all eight in one thread (G = 8): the
+// same order, the same bits.
+template <int G, typename C>
+__device__ __forceinline__ void partial_groups(const C* col, int r0, cl_i64 P, cl_i64 stride,
+                                               C (&s)[G]) {
+#pragma unroll
+  for (int j = 0; j < G; ++j) s[j] = C(0);
+  for (cl_i64 p = r0; p < P; p += 8) {
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+      if (p + j < P) s[j] += load_l2(col + (p + j) * stride);
+  }
 }

@@ -235,13 +235,14 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   if (!is_last) return;
   __threadfence();
   if (partial) {
-    const volatile C* part = partial;  // other blocks' rows: past L1
+#pragma unroll 4
     for (cl_i64 c = tid; c < 2 * N; c += threads) {
       const bool is_g = c < N;
       if (!(is_g ? want_g : want_b)) continue;
-      C tot = C(0);
+      C s[8], tot = C(0);
+      partial_groups(partial + c, 0, gridDim.x, 2 * N, s);
 #pragma unroll
-      for (int r = 0; r < 8; ++r) tot += partial_group<C>(part + c, r, gridDim.x, 2 * N);
+      for (int r = 0; r < 8; ++r) tot += s[r];
       if (is_g) dgamma[c] = Store<W>::cvt(tot);
       else dbeta[c - N] = Store<W>::cvt(tot);
     }
@@ -319,7 +320,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
 }
 
 // Deterministic dgamma/dbeta: sum the [P, 2N] partials over P in a fixed order and cast.
-// blockDim = (32, 8): 32 columns per block, one of partial_group's eight groups per threadIdx.y,
+// blockDim = (32, 8): 32 columns per block, one of partial_groups' eight groups per threadIdx.y,
 // then the eight in order.
 template <typename C, typename W>
 __global__ void __launch_bounds__(256)
@@ -331,7 +332,11 @@ norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict
   W* out = is_g ? dgamma : dbeta;
   const bool active = col < 2 * N && out != nullptr;
   C s = C(0);
-  if (active) s = partial_group<C>(partial + col, threadIdx.y, P, 2 * N);
+  if (active) {
+    C g[1];
+    partial_groups(partial + col, threadIdx.y, P, 2 * N, g);
+    s = g[0];
+  }
   part[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && active) {
