@@ -71,10 +71,14 @@ BWD_SPREAD = 2
 # the small shapes: 32x512 f16 15.8 vs 8.1 us, 192x1024 bf16 40.6 vs 14.2), so both modes use
 # them; the atomic flush stays available and tested.
 ATOMIC_FLUSH = False
-# A backward grid of at most FUSED_REDUCE_BLOCKS blocks (its rows unspread, see BWD_SPREAD) sums
-# the blocks' partials in its last block (found by the atomic flush's ticket counter), in
-# norm_bwd_reduce's order: one launch instead of two, which is host time (#5: a driver launch
-# is 3.6-5.7 us on these hosts) and one kernel boundary on the GPU.
+# A backward grid of at most FUSED_REDUCE_BLOCKS blocks (its rows not spread, see BWD_SPREAD),
+# whose threads are at least N (so each sums at most two columns), sums the blocks' partials in
+# its last block (found by the atomic flush's ticket counter), in norm_bwd_reduce's order: one
+# launch instead of two. That is host time (#5; hostprof S8-1/S8-2, 32x512 f16 backward: 10.6-
+# 14.7 us against 14.5-24.3 before, interleaved in one process), for about as much device time
+# (tune.py S8-2, fused / two kernels: 32x512 f16 8.6 / 8.3 us, RMSNorm 7.6 / 7.4). Where the
+# last block sums more columns per thread it costs more than the second launch on the GPU
+# (S8-2: 8x1000 f16 9.6 / 8.0 us, 16x1024 f32 9.8 / 8.9, 8x8192 f16 28.6 / 11.5).
 FUSED_REDUCE_BLOCKS = 8
 # Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
 # next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-5,
@@ -301,7 +305,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     g = g._replace(rpb=max(1, min(g.rpb, _bwd_threads(g.npt) // g.tpr)))
-    fused = g.fits and _cdiv(M, g.rpb) <= FUSED_REDUCE_BLOCKS
+    fused = g.fits and _cdiv(M, g.rpb) <= FUSED_REDUCE_BLOCKS and N <= g.tpr * g.rpb
     if not fused:
         g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     launch = {}
