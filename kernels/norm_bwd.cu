@@ -219,7 +219,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
     if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
   }
-  if (partial && !counter) return;  // summed by norm_bwd_reduce
+  // The host fuses the partial sums only into grids of few blocks, which neither stage nor form
+  // clusters: the other kernels are compiled without that code (in the staged LayerNorm kernel
+  // it had cost 8% at 131072x4096 bf16, S8-3: 960.4 against 889.2 us).
+  constexpr bool LAST_SUMS = !STAGED && CL == 1;
+  if (partial && !(LAST_SUMS && counter)) return;  // summed by norm_bwd_reduce
 
   // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
   // few blocks, the host's choice) it sums every block's row as norm_bwd_reduce would; with the
@@ -234,7 +238,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  if (partial) {
+  if (LAST_SUMS && partial) {
 #pragma unroll 4
     for (cl_i64 c = tid; c < 2 * N; c += threads) {
       const bool is_g = c < N;
