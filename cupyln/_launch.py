@@ -356,7 +356,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    if not fused:
+    # Only the direct kernel sums partials in its last block (LAST_SUMS in norm_bwd.cu); a few
+    # blocks stage only when told to (BWD_STAGE = "always"), and then take the second kernel.
+    if not fused or main != "bwd":
         launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
