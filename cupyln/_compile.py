@@ -55,8 +55,9 @@ class Spec(NamedTuple):
                     "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         names = {
-            "bwd": f"norm_bwd<{a}, false>",
-            "bwd_staged": f"norm_bwd<{a}, true>",
+            "bwd": f"norm_bwd<{a}, false, false>",
+            "bwd_staged": f"norm_bwd<{a}, true, false>",
+            "bwd_last": f"norm_bwd<{a}, false, true>",  # the last block sums the partials
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
         if pass_ == "bwd_long":  # rows longer than one block: column tiles

@@ -73,12 +73,13 @@ BWD_SPREAD = 2
 ATOMIC_FLUSH = False
 # A backward grid of at most FUSED_REDUCE_BLOCKS blocks (its rows not spread, see BWD_SPREAD),
 # whose threads are at least N (so each sums at most two columns), sums the blocks' partials in
-# its last block (found by the atomic flush's ticket counter), in norm_bwd_reduce's order: one
-# launch instead of two. That is host time (#5; hostprof S8-1/S8-2, 32x512 f16 backward: 10.6-
-# 14.7 us against 14.5-24.3 before, interleaved in one process), for about as much device time
-# (tune.py S8-2, fused / two kernels: 32x512 f16 8.6 / 8.3 us, RMSNorm 7.6 / 7.4). Where the
-# last block sums more columns per thread it costs more than the second launch on the GPU
-# (S8-2: 8x1000 f16 9.6 / 8.0 us, 16x1024 f32 9.8 / 8.9, 8x8192 f16 28.6 / 11.5).
+# its last block (found by the atomic flush's ticket counter; the kernel variant "bwd_last"), in
+# norm_bwd_reduce's order: one launch instead of two. That is host time (#5; hostprof S8-1/S8-2,
+# 32x512 f16 backward: 10.6-14.7 us against 14.5-24.3 before, interleaved in one process), for
+# about as much device time (tune.py S8-2, fused / two kernels: 32x512 f16 8.6 / 8.3 us, RMSNorm
+# 7.6 / 7.4). Where the last block sums more columns per thread it costs more than the second
+# launch on the GPU (S8-2: 8x1000 f16 9.6 / 8.0 us, 16x1024 f32 9.8 / 8.9, 8x8192 f16 28.6 /
+# 11.5).
 FUSED_REDUCE_BLOCKS = 8
 # Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
 # next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-5,
@@ -355,12 +356,14 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
                                      _ROWSUMS_ARGS)
-    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    # Only the direct kernel sums partials in its last block (LAST_SUMS in norm_bwd.cu); a few
-    # blocks stage only when told to (BWD_STAGE = "always"), and then take the second kernel.
-    if not fused or main != "bwd":
+    # the last-block sums are a variant of the direct kernel; a few blocks stage only when told
+    # to (BWD_STAGE = "always"), and then take the reduction kernel
+    if fused and main == "bwd":
+        main = "bwd_last"
+    else:
         launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
+    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 

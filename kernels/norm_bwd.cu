@@ -34,7 +34,9 @@
 
 // CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
 // and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
+// LAST: the last block sums the partials of a grid of few blocks (see below).
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
+          bool LAST>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
@@ -219,11 +221,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
     if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
   }
-  // The host fuses the partial sums only into grids of few blocks, which neither stage nor form
-  // clusters: the other kernels are compiled without that code (in the staged LayerNorm kernel
-  // it had cost 8% at 131072x4096 bf16, S8-3: 960.4 against 889.2 us).
-  constexpr bool LAST_SUMS = !STAGED && CL == 1;
-  if (partial && !(LAST_SUMS && counter)) return;  // summed by norm_bwd_reduce
+  // Only the LAST variant has the last-block sums: compiled into the other kernels that code
+  // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16 (S8-3: 960.4 against 889.2 us).
+  if (partial && !(LAST && counter)) return;  // summed by norm_bwd_reduce
 
   // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
   // few blocks, the host's choice) it sums every block's row as norm_bwd_reduce would; with the
@@ -238,7 +238,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  if (LAST_SUMS && partial) {
+  if (LAST && partial) {
 #pragma unroll 4
     for (cl_i64 c = tid; c < 2 * N; c += threads) {
       const bool is_g = c < N;
@@ -263,9 +263,12 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   }
 }
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
+// LAST (direct rows only): a grid of few blocks whose last block sums their partials, in
+// norm_bwd_reduce's order (the planner's choice where that costs less than a second launch).
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1>(CLN_BWD_ARGS);
+  static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST>(CLN_BWD_ARGS);
 }
 
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers

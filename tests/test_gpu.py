@@ -340,6 +340,7 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
         check_case(op, *case, need=(False, op == "rms", op == "ln"))
         plan = plans[0]
         assert ("reduce" in plan.launch) != fused, plan.grid
+        assert plan.variant == ("bwd_last" if fused else "bwd")
     for a, b in zip(got[True], got[False], strict=True):
         assert (a is None and b is None) or cp.array_equal(a, b)
 
