@@ -49,6 +49,32 @@ pieces = {
     "Launcher launch (3 args)": lambda: lk(0, xp, 3, 1.0),
     "runtime.streamIsCapturing": lambda: cp.cuda.runtime.streamIsCapturing(0),
 }
+# A default forward call, step by step: its signature, the lookup, the prepared pass (pointers,
+# allocation, arrays, launch), and the floor of what a call must do (allocation, three arrays,
+# one launch).
+key = cupyln.api._key((True, 1e-5), (x, g, b), None)
+hot = cupyln.api._HOT[key]
+kern = hot.launch
+lead = (32,)
+F32 = np.dtype(np.float32)
+
+
+def floor():
+    m = cp.cuda.alloc(32 * 512 * 2 + 512)
+    arrays = (_launch._ndarray((32, 512), F16, m), _launch._ndarray(lead, F32, m + 32768),
+              _launch._ndarray(lead, F32, m + 33024))
+    kern(0, xp, 512, g.data.ptr, b.data.ptr, m.ptr, m.ptr + 32768, m.ptr + 33024, 32, 512, 1e-5)
+    return arrays
+
+
+pieces.update({
+    "fwd step: signature (_key)": lambda: cupyln.api._key((True, 1e-5), (x, g, b), None),
+    "fwd step: signature + lookup": lambda: cupyln.api._HOT.get(
+        cupyln.api._key((True, 1e-5), (x, g, b), None)),
+    "fwd step: layout.make": hot.layout.make,
+    "fwd step: prepared pass": lambda: hot(x, g, b, None),
+    "fwd floor (alloc, 3 arrays, launch)": floor,
+})
 for name, fn in pieces.items():
     print(f"{name:<36} {per_call(fn):7.2f} us")
 

@@ -34,7 +34,7 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # slots (FWD_SMALL_M_FILL = 1) against 6.9 at a quarter, the other tuned shapes within 0.2 us;
 # at 4 (4096x1024 f16, f32 too) 11.0 / 16.6 us against 10.8 / 15.6.
 # (Narrower vectors there, for 128 threads per row, made no difference: S5-2, within 0.1 us.)
-FWD_SMALL_M, FWD_SMALL_M_FILL = True, 1.0
+FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_NPT = True, 1.0, 1
 # One vector per thread for any M where such a row fits in a warp (S5-5/S5-6 tune, 131072x64
 # f16: RMSNorm 14.8 -> 14.4 us, LayerNorm 15.6 -> 15.0; the others unchanged).
 # The forward grid's cap in blocks per SM (rows past it loop in the blocks): 64 had 131072x4096
@@ -253,8 +253,9 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     if FWD_SMALL_M:
-        g1 = row_geometry(N // vec, info.warp, 1, 1, FWD_TPR_MAX, FWD_BLOCK)
-        small = M * g1.tpr <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
+        g1 = row_geometry(N // vec, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
+                          FWD_BLOCK)
+        small = M * g1.tpr * FWD_SMALL_NPT <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
         if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)

@@ -269,14 +269,14 @@ _HOT = {}
 _HOT_MAX = 4096  # signatures kept; past that the table starts over
 
 
-def _sig(a):
-    return None if a is None else (type(a), a.shape, a.strides, a.dtype, a.data.device_id)
-
-
 def _key(head, arrays, out):
-    """The signature of a CuPy call, or None (not a candidate: validation takes it)."""
+    """The signature of a CuPy call: each argument's, then each out= entry's (type, shape,
+    strides, dtype, device), or None (not a candidate: validation takes it). One inlined
+    comprehension, no function call per array: this runs on every call."""
     try:
-        return (head, *map(_sig, arrays), None if out is None else tuple(map(_sig, out)))
+        return (head, out is None, *[
+            None if a is None else (type(a), a.shape, a.strides, a.dtype, a.data.device_id)
+            for a in (*arrays, *(() if out is None else out))])
     except (AttributeError, TypeError):  # not arrays: validation will say what is wrong
         return None
 
