@@ -244,7 +244,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       const bool is_g = c < N;
       if (!(is_g ? want_g : want_b)) continue;
       C s[8], tot = C(0);
-      partial_groups(partial + c, 0, gridDim.x, 2 * N, s);
+      partial_groups<8, true>(partial + c, 0, gridDim.x, 2 * N, s);
 #pragma unroll
       for (int r = 0; r < 8; ++r) tot += s[r];
       if (is_g) dgamma[c] = Store<W>::cvt(tot);
@@ -341,7 +341,7 @@ norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict
   C s = C(0);
   if (active) {
     C g[1];
-    partial_groups(partial + col, threadIdx.y, P, 2 * N, g);
+    partial_groups<1, false>(partial + col, threadIdx.y, P, 2 * N, g);
     s = g[0];
   }
   part[threadIdx.y][threadIdx.x] = s;
