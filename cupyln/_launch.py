@@ -90,8 +90,6 @@ FUSED_REDUCE_BLOCKS = 8
 # "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
-# Staged backward rows in flight while a block works on one (the kernels' CLN_BWD_DEPTH - 1).
-BWD_DEPTH = 2
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
 # argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
@@ -288,7 +286,7 @@ def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
         return 0
     if wdtype is None:
         return npt * tpr * 2 * pack * rpb
-    return npt * tpr * (2 * BWD_DEPTH * pack * rpb + vec * wdtype.itemsize)
+    return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
 
 
 def _stages(mode, rule):
