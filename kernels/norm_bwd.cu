@@ -40,7 +40,10 @@ template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAG
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
-  if (CL > 1 && gridDim.y != CL) cl_trap();  // one cluster per row: the host's CLUSTER_TILES
+  // one cluster per row (the host's CLUSTER_TILES), and rows of more than a warp (the sums'
+  // exchange relies on row_allreduce's block barrier)
+  if (CL > 1 && (gridDim.y != CL || blockDim.x <= WARP)) cl_trap();
+  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, typename Acc<T>::type>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
