@@ -389,8 +389,8 @@ __device__ __forceinline__ void cluster_sync() {
 // an option). Two buffers alternate by row; a block can write a buffer again (two rows later)
 // only after every block sent the sums of the row in between, which each sends after the block
 // barrier of its row_allreduce, so after all its threads read that buffer.
-template <int CL, int K, typename C> struct ClusterExchange {
-  C recv[2][CL][K];           // [buffer][rank][k]
+template <int CL, int K, typename C> struct __align__(16) ClusterExchange {
+  C recv[2][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
   unsigned long long bar[2];  // mbarrier per buffer: one arrival and CL * K values to complete
 };
 template <int CL, int K, typename C>
