@@ -34,6 +34,8 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # slots (FWD_SMALL_M_FILL = 1) against 6.9 at a quarter, the other tuned shapes within 0.2 us;
 # at 4 (4096x1024 f16, f32 too) 11.0 / 16.6 us against 10.8 / 15.6.
 # (Narrower vectors there, for 128 threads per row, made no difference: S5-2, within 0.1 us.)
+# FWD_SMALL_NPT: vectors per thread on that path (tuning): rows in one warp with 2 or 4, so
+# without a barrier, were slower (S9-1, tune.py: 32x512 f16 5.8 / 6.6 us against 5.1).
 FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_NPT = True, 1.0, 1
 # One vector per thread for any M where such a row fits in a warp (S5-5/S5-6 tune, 131072x64
 # f16: RMSNorm 14.8 -> 14.4 us, LayerNorm 15.6 -> 15.0; the others unchanged).
@@ -98,6 +100,8 @@ TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vect
 # tuning). Measured (S7-2/S7-3, tune.py, us; clusters of 4 x 2 vectors / 4 x 1 / 8 x 2 / row
 # sums path): 4096x16384 f16 153.4 / 184.4 / 160.3 / 191.3, 4096x32768 f16 326.4 / 395.7 /
 # 331.5 / 351.6.
+# Since the tiles exchange their row sums without a cluster barrier per row (S9-6): 4096x16384
+# f16 128.4 us, 4096x32768 f16 251.4.
 CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 2, True
 ROWSUMS_TPR = 1024
 
