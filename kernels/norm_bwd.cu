@@ -43,7 +43,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // one cluster per row (the host's CLUSTER_TILES), and rows of more than a warp (the sums'
   // exchange relies on row_allreduce's block barrier)
   if (CL > 1 && (gridDim.y != CL || blockDim.x <= WARP)) cl_trap();
-  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, typename Acc<T>::type>();
+  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
@@ -187,7 +187,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   }
 
   async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused
-  // no block of a cluster exits while another may still read its last sums
+  // a cluster's blocks leave together: none exits while its last row's sums may still be on
+  // their way into another block's shared memory
   if constexpr (CL > 1) cluster_sync();
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
   C* buf = reinterpret_cast<C*>(cl_smem);
