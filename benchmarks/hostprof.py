@@ -54,16 +54,13 @@ pieces = {
 # one launch).
 key = cupyln.api._key((True, 1e-5), (x, g, b), None)
 hot = cupyln.api._HOT[key]
-kern = hot.launch
-lead = (32,)
-F32 = np.dtype(np.float32)
+oy, om, orr = (off for _, _, off in hot.layout.parts)  # y, mean, rstd in one allocation
 
 
 def floor():
-    m = cp.cuda.alloc(32 * 512 * 2 + 512)
-    arrays = (_launch._ndarray((32, 512), F16, m), _launch._ndarray(lead, F32, m + 32768),
-              _launch._ndarray(lead, F32, m + 33024))
-    kern(0, xp, 512, g.data.ptr, b.data.ptr, m.ptr, m.ptr + 32768, m.ptr + 33024, 32, 512, 1e-5)
+    arrays, m = hot.layout.make()
+    p = m.ptr
+    hot.launch(0, xp, 512, g.data.ptr, b.data.ptr, p + oy, p + om, p + orr, 32, 512, 1e-5)
     return arrays
 
 
