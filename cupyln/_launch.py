@@ -101,8 +101,10 @@ TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vect
 # sums path): 4096x16384 f16 153.4 / 184.4 / 160.3 / 191.3, 4096x32768 f16 326.4 / 395.7 /
 # 331.5 / 351.6.
 # Since the tiles exchange their row sums without a cluster barrier per row (S9-6): 4096x16384
-# f16 128.4 us, 4096x32768 f16 251.4.
-CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 4, 2, True
+# f16 128.4 us, 4096x32768 f16 251.4. Then (S9-11, 4 x 2 / 8 x 2 / 2 x 2): 4096x16384 129.2 /
+# 125.8 / 126.5, 4096x32768 251.6 / 248.2 / row sums path, 1151x16384 48.1 / 46.7 / 48.2; so 8
+# (a row of up to 8 x 2 x 512 vectors in one cluster).
+CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 8, 2, True
 ROWSUMS_TPR = 1024
 
 

@@ -89,6 +89,10 @@ template <> struct Store<cl_bf16> {
 
 __device__ __forceinline__ float cl_rsqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
+// a * b + c in one rounding. Written out where the compiler would otherwise multiply once and
+// add the product to two sums (the backward's dy * xhat): one FMUL + two FADD become two FMA.
+__device__ __forceinline__ float cl_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double cl_fma(double a, double b, double c) { return fma(a, b, c); }
 
 // ---------------------------------------------------------------------------------------------
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The

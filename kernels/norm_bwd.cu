@@ -137,7 +137,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         for (int j = 0; j < VEC; ++j) {
           g[k][j] = (C)elem(pdy[k], j);
           xh[k][j] = ((C)elem(px[k], j) - mk) * rs;
-          acc_g[k][j] += g[k][j] * xh[k][j];
+          acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
           acc_b[k][j] += g[k][j];
         }
       }
@@ -160,7 +160,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         s[0] += g[k][j];
-        s[1] += g[k][j] * xh[k][j];
+        s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
       }
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
       s[0] = valid ? rowsums[2 * row] : C(0);
