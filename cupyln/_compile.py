@@ -51,8 +51,14 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
             ln = "true" if self.is_ln else "false"
-            return {"fwd": f"norm_fwd<{a}, false>", "fwd_staged": f"norm_fwd<{a}, true>",
-                    "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
+            names = {"fwd": f"norm_fwd<{a}, false, false>",
+                     "fwd_staged": f"norm_fwd<{a}, true, false>",
+                     "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
+            # gamma/beta loaded with the row (one vector per thread: "fwd" does already). Built
+            # for 4-byte and wider types only: 2-byte ones spilled and lost everywhere (S10-1).
+            if self.npt > 1 and self.dtype.itemsize >= 4:
+                names["fwd_early"] = f"norm_fwd<{a}, false, true>"
+            return names
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         names = {
             "bwd": f"norm_bwd<{a}, false, false>",

@@ -327,10 +327,19 @@ template <typename C> __device__ __forceinline__ C shfl_xor(C v, int lane_mask) 
 }
 
 // Shuffle-only part: sum over the row's threads within one warp (all of the row when tpr <= WARP).
+// Rows of whole warps take the unrolled butterfly (a loop on blockDim.x cost a compare and a
+// branch per step on the row's critical path).
 template <int WARP, int K, typename C>
 __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
-  const int width = (int)blockDim.x < WARP ? (int)blockDim.x : WARP;
-  for (int o = width >> 1; o > 0; o >>= 1) {
+  if ((int)blockDim.x >= WARP) {
+#pragma unroll
+    for (int o = WARP >> 1; o > 0; o >>= 1) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+    }
+    return;
+  }
+  for (int o = (int)blockDim.x >> 1; o > 0; o >>= 1) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
   }
@@ -356,7 +365,10 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
 #pragma unroll
     for (int k = 0; k < K; ++k)
       v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
-    for (int o = WARP >> 1; o > 0; o >>= 1) {
+    // Only the first nw lanes hold warp sums: the butterfly starts at the power of two that
+    // covers them (one step for a row of two warps, not WARP's five). The steps it leaves out
+    // added zeros, so the sums are the same bits as with all of them.
+    for (int o = 1 << (31 - __clz(nw - 1)); o > 0; o >>= 1) {
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
     }

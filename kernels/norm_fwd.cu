@@ -108,7 +108,8 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // Rows of one chunk (CHUNKED = false: the row stays in registers, packed as loaded, and x is
 // read once) or of many (CHUNKED = true: statistics over all chunks, then each chunk read again
 // for the output).
-template <bool CHUNKED, bool STAGE, typename T, typename W, bool LN, int VEC, int NPT, int WARP>
+template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
+          int NPT, int WARP>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
@@ -120,11 +121,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   const C inv_n = C(1) / (C)N;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
-  // One vector per thread (the planner's choice for small M): gamma/beta are read right after
-  // the row, so the three loads are in flight together, instead of after the row's reductions.
-  // (Loaded once before the loop, their conversions were hoisted above the row's load and waited
-  // for them: two memory trips in a row, in the SASS.)
-  constexpr bool EARLY = !CHUNKED && NPT == 1;
+  // One vector per thread (the planner's choice for small M), or EARLY_PARAMS (its choice where
+  // the whole grid is resident at once): gamma/beta are read right after the row, so the three
+  // loads are in flight together, instead of after the row's reductions. (Loaded once before the
+  // loop, their conversions were hoisted above the row's load and waited for them: two memory
+  // trips in a row, in the SASS.)
+  constexpr bool EARLY = !CHUNKED && (NPT == 1 || EARLY_PARAMS);
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
   // Staged rows (stage_packs): two buffers of [NPT][threads] packs of x in dynamic shared
   // memory, given by the host (_launch.py); a launch with less traps. Each thread reads back
@@ -188,15 +190,15 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
       cl_i64 N, typename Acc<T>::type eps
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, T, W, LN, VEC, NPT, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M,
-                                                   N, eps);
+  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP>(x, ldx, gamma, beta, y, mean_out,
+                                                          rstd_out, M, N, eps);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
-  fwd_rows<true, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out, M, N,
-                                                eps);
+  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
+                                                       M, N, eps);
 }
