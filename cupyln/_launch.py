@@ -57,7 +57,7 @@ FWD_STAGE = "auto"
 # 4096x1024 f32 (1.9 waves) 15.4 / 14.3 and 15.5 / 14.2; S9-3: LayerNorm 16384x8192 f32 (62
 # waves) 271.5 / 277.4. Not for 2-byte types, whose held packs spill (S10-1: 4096x1024 f16 10.3
 # / 12.1, bf16 10.5 / 12.9, 4096x2048 f16 15.9 / 19.1, 16384x8192 bf16 144.7 / 216.5).
-FWD_EARLY_WAVES = 2
+FWD_EARLY_WAVES = 8
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows

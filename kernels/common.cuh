@@ -362,13 +362,15 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
       for (int k = 0; k < K; ++k) red[phase & 1][k][warp] = v[k];
     }
     __syncthreads();
+    // The butterfly spans only the power of two of lanes that covers the nw warp sums (one step
+    // for a row of two warps, not WARP's five); each such group of lanes reads its own copy of
+    // the sums, so every lane gets the total. The steps left out added zeros: the same bits.
+    const int top = 1 << (31 - __clz(nw - 1));  // half that power of two
+    const int src = lane & (2 * top - 1);
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      v[k] = lane < nw ? red[phase & 1][k][threadIdx.y * nw + lane] : C(0);
-    // Only the first nw lanes hold warp sums: the butterfly starts at the power of two that
-    // covers them (one step for a row of two warps, not WARP's five). The steps it leaves out
-    // added zeros, so the sums are the same bits as with all of them.
-    for (int o = 1 << (31 - __clz(nw - 1)); o > 0; o >>= 1) {
+      v[k] = src < nw ? red[phase & 1][k][threadIdx.y * nw + src] : C(0);
+    for (int o = top; o > 0; o >>= 1) {
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
     }
