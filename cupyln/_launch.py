@@ -51,13 +51,14 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
-# Forward of several vectors per thread in at most FWD_EARLY_WAVES waves of resident blocks:
-# gamma/beta loaded with the row, before the reductions (the "fwd_early" kernel; built for
-# 4-byte and wider types). S10-1 (tune.py, us, parameters after the reductions / with the row):
-# 4096x1024 f32 (1.9 waves) 15.4 / 14.3 and 15.5 / 14.2; S9-3: LayerNorm 16384x8192 f32 (62
-# waves) 271.5 / 277.4. Not for 2-byte types, whose held packs spill (S10-1: 4096x1024 f16 10.3
-# / 12.1, bf16 10.5 / 12.9, 4096x2048 f16 15.9 / 19.1, 16384x8192 bf16 144.7 / 216.5).
-FWD_EARLY_WAVES = 8
+# Forward of several vectors per thread: gamma/beta loaded with the row, before the
+# reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
+# two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves) 15.1 /
+# 13.6, 32768x1024 (15.5) 72.7 / 70.6, 65536x1024 (31) 136.4 / 134.7, 8192x4096 (15.5) 70.9 /
+# 69.5, 16384x8192 (62) 273.8 / 273.7, RMSNorm 65536x1024 135.5 / 134.5. Not for 2-byte types,
+# whose held packs spill (S10-1: 4096x1024 f16 10.3 / 12.1, bf16 10.5 / 12.9, 4096x2048 f16
+# 15.9 / 19.1, 16384x8192 bf16 144.7 / 216.5). False: never (tests, tuning).
+FWD_EARLY = True
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -286,12 +287,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             main, smem = "fwd_staged", stage
             grid = (min(_cdiv(M, g.rpb), resident),)
-    if main == "fwd" and "fwd_early" in kerns:
-        # in few waves of blocks, little overlaps a block's reductions but its own loads:
-        # gamma/beta go with the row's (see FWD_EARLY_WAVES)
-        resident = info.sms * _blocks_per_sm(kerns["fwd_early"], g.tpr * g.rpb, 0, info)
-        if grid[0] <= FWD_EARLY_WAVES * resident:
-            main = "fwd_early"
+    if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
+        main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 

@@ -299,35 +299,26 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
                                         (5000, 1024, F16, F32), (60000, 1024, F32, F32)])
 @pytest.mark.parametrize("has_b", [True, False])
 def test_parameters_loaded_with_the_row_or_after(plans, op, M, N, dt, wdt, has_b):
-    """The forward that loads gamma/beta with the row (few waves of blocks, 4-byte and wider
-    types) against the one that loads them after the reductions: the planner takes the first
-    exactly where it is built and the grid fits in FWD_EARLY_WAVES waves; each matches the
-    reference, and the two agree bitwise (the same arithmetic in the same order)."""
-    from cupyln import _launch
-
+    """The forward that loads gamma/beta with the row (4-byte and wider types, several vectors
+    per thread) against the one that loads them after the reductions: the planner takes the
+    first exactly where it is built and FWD_EARLY is on; each matches the reference, and the two
+    agree bitwise (the same arithmetic in the same order)."""
     x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
     x, g = cp.asarray(x_h), cp.asarray(g_h)
     b = None if b_h is None else cp.asarray(b_h)
     plans.spy("fwd")
     out, variants = {}, {}
-    for waves in (0, 1 << 30):
-        plans.replan(FWD_EARLY_WAVES=waves)
-        out[waves] = (cupyln.layer_norm_fwd(x, g, b) if op == "ln"
+    for early in (False, True):
+        plans.replan(FWD_EARLY=early)
+        out[early] = (cupyln.layer_norm_fwd(x, g, b) if op == "ln"
                       else cupyln.rms_norm_fwd(x, g))
         (plan,) = plans
-        variants[waves] = plan.variant
+        variants[early] = plan.variant
         check_case(op, x_h, dy_h, g_h, b_h)
     built = plan.spec.npt > 1 and dt.itemsize >= 4
-    assert variants == {0: "fwd", 1 << 30: "fwd_early" if built else "fwd"}
-    for a, c in zip(out[0], out[1 << 30], strict=True):
+    assert variants == {False: "fwd", True: "fwd_early" if built else "fwd"}
+    for a, c in zip(out[False], out[True], strict=True):
         assert cp.array_equal(a, c)
-    plans.replan(FWD_EARLY_WAVES=_launch.FWD_EARLY_WAVES)
-    cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
-    plan = plans[0]
-    info = _launch.device_info(x.device.id)
-    resident = info.sms * _launch._blocks_per_sm(plan.kern, plan.block[0] * plan.block[1], 0, info)
-    early = built and plan.grid[0] <= _launch.FWD_EARLY_WAVES * resident
-    assert plan.variant == ("fwd_early" if early else "fwd"), (plan.grid, resident)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
