@@ -53,11 +53,11 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 FWD_STAGE = "auto"
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
-# two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves) 15.1 /
-# 13.6, 32768x1024 (15.5) 72.7 / 70.6, 65536x1024 (31) 136.4 / 134.7, 8192x4096 (15.5) 70.9 /
-# 69.5, 16384x8192 (62) 273.8 / 273.7, RMSNorm 65536x1024 135.5 / 134.5. Not for 2-byte types,
-# whose held packs spill (S10-1: 4096x1024 f16 10.3 / 12.1, bf16 10.5 / 12.9, 4096x2048 f16
-# 15.9 / 19.1, 16384x8192 bf16 144.7 / 216.5). False: never (tests, tuning).
+# two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves)
+# 15.1 / 13.6, 32768x1024 (15.5) 72.7 / 70.6, 65536x1024 (31) 136.4 / 134.7, 8192x4096 (15.5)
+# 70.9 / 69.5, 16384x8192 (62) 273.8 / 273.7, RMSNorm 65536x1024 135.5 / 134.5. Not for 2-byte
+# types, whose held packs spill (S10-1: 4096x1024 f16 10.3 / 12.1, bf16 10.5 / 12.9, 4096x2048
+# f16 15.9 / 19.1, 16384x8192 bf16 144.7 / 216.5). False: never (tests, tuning).
 FWD_EARLY = True
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
