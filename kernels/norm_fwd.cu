@@ -121,11 +121,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   const C inv_n = C(1) / (C)N;
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
-  // One vector per thread (the planner's choice for small M), or EARLY_PARAMS (its choice where
-  // the whole grid is resident at once): gamma/beta are read right after the row, so the three
-  // loads are in flight together, instead of after the row's reductions. (Loaded once before the
-  // loop, their conversions were hoisted above the row's load and waited for them: two memory
-  // trips in a row, in the SASS.)
+  // One vector per thread (the planner's choice for small M), or EARLY_PARAMS (its choice for
+  // 4-byte and wider types; see FWD_EARLY in _launch.py): gamma/beta are read right after the
+  // row, so the three loads are in flight together, instead of after the row's reductions.
+  // (Loaded once before the loop, their conversions were hoisted above the row's load and waited
+  // for them: two memory trips in a row, in the SASS.)
   constexpr bool EARLY = !CHUNKED && (NPT == 1 || EARLY_PARAMS);
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
   // Staged rows (stage_packs): two buffers of [NPT][threads] packs of x in dynamic shared
