@@ -77,4 +77,6 @@ grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
 # At most 8 files come back from the device tool: every log goes into one archive.
-(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt ./*.csv 2>/dev/null)
+# (Only the kinds present: a missing pattern made tar, and so the script, exit with status 2.)
+(cd "$OUT" && shopt -s nullglob && logs=(./*.log ./*.txt ./*.csv) \
+  && { [ ${#logs[@]} -eq 0 ] || tar czf logs.tgz --remove-files "${logs[@]}"; })
