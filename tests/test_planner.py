@@ -96,3 +96,39 @@ def test_launch_argument_buffer_follows_c_layout(kinds):
     packed = struct.pack(fmt, *range(1, len(kinds) + 1))  # each value lands at its offset
     for i, (k, o) in enumerate(zip(kinds, offs, strict=True)):
         assert struct.unpack_from("@" + _STRUCT[k], packed, o)[0] == i + 1
+
+
+class _FakeKernel:
+    """What the planner reads of a compiled kernel (its resources), without a GPU."""
+
+    num_regs, shared_size_bytes, max_dynamic_shared_size_bytes = 64, 0, 48 * 1024
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
+       st.integers(1, 1 << 16), WARPS)
+def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
+    """The forward planner takes a kernel of the module it compiles; the kernel that loads
+    gamma/beta with the row wherever that module has it (4-byte and wider types, several vectors
+    per thread), and no other kernel where it has it but a plain row would run."""
+    from unittest import mock
+
+    from cupyln.api import BFLOAT16
+
+    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+    info = _launch.DeviceInfo(132, warp, 2048, 65536, 233472, True, True)
+    built = {}
+
+    def kernels(spec, pass_):
+        built.update(spec.names(pass_))
+        return dict.fromkeys(built, _FakeKernel())
+
+    with mock.patch.object(_launch, "device_info", lambda dev: info), \
+            mock.patch.object(_launch._compile, "kernels", kernels), \
+            mock.patch.object(_launch, "Launcher", lambda *args: None):
+        vec = _launch._vec(dtype, N, (N,), [])
+        plan = _launch.plan_fwd.__wrapped__(0, dtype, dtype, True, M, N, vec)
+    assert plan.variant in built
+    early = "fwd_early" in built
+    assert early == (plan.spec.npt > 1 and dtype.itemsize >= 4)
+    assert plan.variant != "fwd" or not early
+    assert plan.variant != "fwd_early" or early
