@@ -2,7 +2,8 @@
 
 Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
 staged rows (cp.async) and direct loads, for short rows (several per block), block rows, and
-long rows (clusters of column tiles, or row sums + column tiles); LayerNorm and RMSNorm. Exits
+long rows (clusters of column tiles, or row sums + column tiles), and few rows (one cluster that
+sums dgamma/dbeta, or the last block summing the partials); LayerNorm and RMSNorm. Exits
 non-zero when an output misses the reference tolerance.
 """
 
@@ -15,7 +16,7 @@ from cupyln import _check, _launch
 CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
     ("rmsnorm", 9, 24, "bfloat16", None),
-    ("layernorm", 8, 500, "float16", None),          # few blocks: the last sums the partials
+    ("layernorm", 8, 500, "float16", None),          # few rows: one cluster, or the last block
     ("layernorm", 33, 1000, "float32", None),        # one block per row
     ("rmsnorm", 33, 1000, "float16", None),
     ("layernorm", 3, 140000, "float16", None),       # several chunks; row sums + column tiles
@@ -30,10 +31,12 @@ CASES = [  # (op, M, N, dtype, param dtype)
 
 bad = 0
 for op, M, N, dt, wdt in CASES:
-    for det, atomic, stage in ((False, False, "always"), (True, False, "always"),
-                               (False, True, "always"), (False, False, "never")):
+    for det, atomic, stage, csum in ((False, False, "always", True), (True, False, "always", True),
+                                     (False, True, "always", True), (False, False, "never", True),
+                                     (False, False, "never", False)):
         _launch.ATOMIC_FLUSH = atomic  # both dgamma/dbeta flushes of the backward
         _launch.FWD_STAGE = _launch.BWD_STAGE = stage  # staged rows wherever possible, or nowhere
+        _launch.BWD_CLUSTER_SUMS = csum  # few rows: one cluster (direct rows), or the last block
         _launch.clear_caches()  # no call remembered under the other flush
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
         cp.cuda.Device().synchronize()
@@ -41,5 +44,6 @@ for op, M, N, dt, wdt in CASES:
         ok = all(err <= tol for _, err, tol in rows)
         bad += not ok
         print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} {stage:<6} "
+              f"csum={csum!s:<5} "
               f"worst {worst[0]}={worst[1]:.2e} {'ok' if ok else 'FAIL'}")
 sys.exit(1 if bad else 0)

@@ -37,7 +37,7 @@ class Spec(NamedTuple):
     vec: int  # elements per vector access
     npt: int  # vectors per thread per chunk
     warp: int  # 32 or 64
-    tiles: int = 1  # long-row backward: blocks per thread-block cluster (1: no cluster kernels)
+    tiles: int = 1  # backward: blocks per thread-block cluster (1: no cluster kernels)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -66,6 +66,8 @@ class Spec(NamedTuple):
             "bwd_last": f"norm_bwd<{a}, false, true>",  # the last block sums the partials
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
+        if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks
+            names["bwd_csum"] = f"norm_bwd_csum<{a}, {self.tiles}>"
         if pass_ == "bwd_long":  # rows longer than one block: column tiles
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             if self.tiles > 1:  # in clusters of `tiles` blocks

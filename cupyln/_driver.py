@@ -43,16 +43,16 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
 
 @functools.cache  # asked once per plan and grid (the planner asks again for its grid)
 def max_active_clusters(kern, cluster, block, smem):
-    """How many clusters of ``kern`` (whose cluster shape, ``cluster`` blocks along y, is fixed
-    at compile time) can run at once on its device (``cuOccupancyMaxActiveClusters``; a cluster's
-    blocks share one GPC, so this is not the resident blocks over the cluster size). 0 where the
-    driver cannot tell."""
+    """How many clusters of ``kern`` (whose cluster shape, ``cluster`` = (blocks along x, along
+    y), is fixed at compile time) can run at once on its device (``cuOccupancyMaxActiveClusters``;
+    a cluster's blocks share one GPC, so this is not the resident blocks over the cluster size).
+    0 where the driver cannot tell."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
     except (OSError, AttributeError):
         return 0
     allow_smem(kern, smem)
-    cfg = _LaunchConfig((1, cluster, 1), (*block, 1, 1)[:3], smem, None, None, 0)
+    cfg = _LaunchConfig((*cluster, 1), (*block, 1, 1)[:3], smem, None, None, 0)
     n = ctypes.c_int(0)
     err = fn(ctypes.byref(n), ctypes.c_void_p(kern.kernel.ptr), ctypes.byref(cfg))
     return n.value if err == 0 else 0

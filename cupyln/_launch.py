@@ -37,6 +37,10 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # FWD_SMALL_NPT: vectors per thread on that path (tuning): rows in one warp with 2 or 4, so
 # without a barrier, were slower (S9-1, tune.py: 32x512 f16 5.8 / 6.6 us against 5.1).
 FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_NPT = True, 1.0, 1
+# FWD_SMALL_VEC_BYTES: that path's vector width in bytes (at most the widest the pointers allow).
+# Nsight Compute (S10-5, 32x512 f16): the kernel took 3.81 us against Liger's 3.10, with 276 warp
+# instructions per warp against 149 (Liger: four warps per row, 8 bytes per thread).
+FWD_SMALL_VEC_BYTES = 16
 # One vector per thread for any M where such a row fits in a warp (S5-5/S5-6 tune, 131072x64
 # f16: RMSNorm 14.8 -> 14.4 us, LayerNorm 15.6 -> 15.0; the others unchanged).
 # The forward grid's cap in blocks per SM (rows past it loop in the blocks): 64 had 131072x4096
@@ -91,6 +95,12 @@ ATOMIC_FLUSH = False
 # launch on the GPU (S8-2: 8x1000 f16 9.6 / 8.0 us, 16x1024 f32 9.8 / 8.9, 8x8192 f16 28.6 /
 # 11.5).
 FUSED_REDUCE_BLOCKS = 8
+# On sm_90, a backward whose rows fit in CSUM_BLOCKS blocks runs as one thread-block cluster of
+# that many blocks (rows spread over all of them; CSUM_BLOCKS is a template argument of the
+# kernel, "bwd_csum"), which sum dgamma/dbeta through distributed shared memory: no scratch,
+# fence or ticket counter, and the column sums shared by all blocks instead of done by the last
+# one. Deterministic (a fixed order per grid). False: the paths above (tests, tuning).
+CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
 # next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-5,
 # tune.py, staged / direct): 131072x4096 bf16 885.0 / 1022.5 us, RMSNorm 877.7 / 1042.5,
@@ -192,7 +202,7 @@ def all_kernel_names(warp):
                     for n in npts:
                         if n & (n - 1):
                             continue  # vectors per thread are powers of two
-                        tiles = CLUSTER_TILES if pass_ == "bwd_long" else 1
+                        tiles = {"bwd_long": CLUSTER_TILES, "bwd": CSUM_BLOCKS}.get(pass_, 1)
                         names.update(Spec(t, w, ln, v, n, warp, tiles).names(pass_).values())
     return names
 
@@ -267,11 +277,21 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     if FWD_SMALL_M:
-        g1 = row_geometry(N // vec, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
-                          FWD_BLOCK)
-        small = M * g1.tpr * FWD_SMALL_NPT <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
+        slots = FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
+
+        def one_vector(v):  # the geometry of one vector of v elements per thread, if small
+            g1 = row_geometry(N // v, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
+                              FWD_BLOCK)
+            return g1, g1.fits and M * g1.tpr * FWD_SMALL_NPT <= slots
+
+        g1, small = one_vector(vec)
         if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
             g = g1
+        narrow = max(1, min(vec, FWD_SMALL_VEC_BYTES // dtype.itemsize))
+        if small and narrow < vec:  # narrower vectors: more threads, each a shorter chain
+            g1, still = one_vector(narrow)
+            if still:
+                g, vec = g1, narrow
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
@@ -324,6 +344,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     g = row_geometry(N // vec, info.warp, BWD_NPT_MIN, BWD_NPT, BWD_TPR_MAX, BWD_BLOCK)
     g = g._replace(rpb=max(1, min(g.rpb, _bwd_threads(g.npt) // g.tpr)))
     fused = g.fits and _cdiv(M, g.rpb) <= FUSED_REDUCE_BLOCKS and N <= g.tpr * g.rpb
+    csum = _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g)
+    if csum is not None:
+        return csum
     if not fused:
         g = _spread(g, M, info.warp, int(BWD_SPREAD * info.sms))
     launch = {}
@@ -342,8 +365,8 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if cluster:
             spec = Spec(dtype, wdtype, is_ln, vec, CLUSTER_NPT, info.warp, CLUSTER_TILES)
             kerns = _compile.kernels(spec, "bwd_long")
-            cluster = _driver.max_active_clusters(kerns["bwd_cluster"], CLUSTER_TILES, (tpr, 1),
-                                                  0) > 0
+            cluster = _driver.max_active_clusters(kerns["bwd_cluster"], (1, CLUSTER_TILES),
+                                                  (tpr, 1), 0) > 0
         if cluster:
             block, tiles = (tpr, 1), CLUSTER_TILES
         else:
@@ -356,7 +379,8 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
 
     def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
         if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
-            return (max(1, min(M, _driver.max_active_clusters(kern, tiles, block, smem))), tiles)
+            fit = _driver.max_active_clusters(kern, (1, tiles), block, smem)
+            return (max(1, min(M, fit)), tiles)
         resident = info.sms * _blocks_per_sm(kern, block[0] * block[1], smem, info)
         return (max(1, min(_cdiv(M, block[1]), _cdiv(resident, tiles))), tiles)
 
@@ -382,6 +406,28 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
                                     _REDUCE_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
+    """The plan of one cluster of CSUM_BLOCKS blocks (see BWD_CLUSTER_SUMS), or None where the
+    device has no clusters, the rows do not fit in those blocks, or the driver cannot place it."""
+    rpb = _round_up(_cdiv(M, CSUM_BLOCKS), max(1, info.warp // g.tpr))
+    # (BWD_STAGE = "always" stages wherever it can: this kernel has direct rows only)
+    if not (g.fits and info.clusters and BWD_CLUSTER_SUMS and rpb <= g.rpb
+            and BWD_STAGE != "always"):
+        return None
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, CSUM_BLOCKS)
+    kern = _compile.kernels(spec, "bwd")["bwd_csum"]
+    acc = ACC_DTYPES[dtype].itemsize
+    # the values each block receives ([CSUM_BLOCKS][2N / CSUM_BLOCKS]), then the column sums
+    # over its rows
+    smem = CSUM_BLOCKS * _cdiv(2 * N, CSUM_BLOCKS) * acc
+    smem += g.tpr * rpb * vec * acc if rpb > 1 else 0
+    block = (g.tpr, rpb)
+    if _driver.max_active_clusters(kern, (CSUM_BLOCKS, 1), block, smem) < 1:
+        return None
+    launch = {"bwd": Launcher(kern, (CSUM_BLOCKS,), block, smem, _BWD_ARGS)}
+    return Plan(spec, "bwd_csum", kern, (CSUM_BLOCKS, 1), block, smem, launch)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -641,7 +687,8 @@ class _HotBwd:
         # dgamma/dbeta partials of each block, the row sums of long rows, and (only while a graph
         # is being captured) the zeroed ticket counter and atomic sums (see _atomic_scratch)
         P = plan.grid[0]
-        params = want[1] or want[2]
+        # dgamma/dbeta flushed through memory: not where one cluster sums them itself
+        params = (want[1] or want[2]) and plan.variant != "bwd_csum"
         self.atomic = params and not partials
         # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
         # where the plan has no reduction kernel

@@ -432,7 +432,92 @@ __device__ __forceinline__ void st_async2(unsigned int a, double v0, double v1, 
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f64 [%0], {%1, %2}, [%3];"
                ::"r"(a), "d"(v0), "d"(v1), "r"(bar) : "memory");
 }
+__device__ __forceinline__ void st_async1(unsigned int a, float v, unsigned int bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               ::"r"(a), "f"(v), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async1(unsigned int a, double v, unsigned int bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f64 [%0], %1, [%2];"
+               ::"r"(a), "d"(v), "r"(bar) : "memory");
+}
 #endif
+
+// Column sums over the XC blocks of a cluster (CUDA sm_90 on), in rank order: column c of
+// [0, ncols) is summed by block c % XC, which receives every block's value of it in `recv`
+// ([XC][per] values, per = ceil(ncols / XC)) by st.async, counted on its mbarrier. No global
+// memory, fence or ticket counter, unlike the last-block sums; every block sends its values
+// (zeros where it had no rows), so the sums do not depend on timing.
+template <int XC, typename C> struct ClusterSums {
+  C* recv;
+  cl_i64 per;
+  unsigned int rank, bar;
+
+  // Columns c in [lo, hi) that this block sums (c % XC == rank).
+  __device__ __forceinline__ cl_i64 owned(cl_i64 lo, cl_i64 hi) const {
+    auto below = [&](cl_i64 n) { return n > rank ? (n - rank + XC - 1) / XC : cl_i64(0); };
+    return below(hi) - below(lo);
+  }
+  // Every thread, before any other call: the mbarrier made ready for the values this block will
+  // receive (XC per column that count(*this) says it sums), and the cluster barrier's arrival
+  // (its wait is in ready()).
+  template <typename F>
+  __device__ __forceinline__ void init(C* buf, cl_i64 ncols, unsigned long long* mbar, F count) {
+#if CLN_CLUSTERS
+    recv = buf;
+    per = (ncols + XC - 1) / XC;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    bar = smem_addr(mbar);
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+      const unsigned int bytes = (unsigned int)(count(*this) * XC * sizeof(C));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                   "r"(bytes) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#else
+    cl_trap();  // the planner launches cluster kernels only where clusters exist
+#endif
+  }
+  // Every thread, before the first send: every block's mbarrier is initialized.
+  __device__ __forceinline__ void ready() const {
+#if CLN_CLUSTERS
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+#endif
+  }
+  // This block's value of column c, to the block that sums it.
+  __device__ __forceinline__ void send(cl_i64 c, C v) const {
+#if CLN_CLUSTERS
+    const unsigned int owner = (unsigned int)(c % XC);
+    const unsigned int slot = smem_addr(recv + rank * per + c / XC);
+    st_async1(cluster_addr(slot, owner), v, cluster_addr(bar, owner));
+#endif
+  }
+  // Every thread: waits until every block's values of this block's columns have landed, calls
+  // emit(c, sum) for each (sum over ranks 0, 1, ...), then waits at a cluster barrier, so no
+  // block leaves while values may still be on their way to another.
+  template <typename F> __device__ __forceinline__ void finish(cl_i64 ncols, F emit) const {
+#if CLN_CLUSTERS
+    unsigned int done = 0;
+    do {
+      asm volatile(
+          "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
+          " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar) : "memory");
+    } while (!done);
+    const int threads = blockDim.x * blockDim.y;
+    for (cl_i64 j = threadIdx.y * blockDim.x + threadIdx.x; j < per; j += threads) {
+      const cl_i64 c = j * XC + rank;
+      if (c >= ncols) break;
+      C s = C(0);
+#pragma unroll
+      for (int r = 0; r < XC; ++r) s += recv[r * per + j];
+      emit(c, s);
+    }
+    // relaxed: the mbarrier waits already ordered the values; this only keeps blocks alive
+    asm volatile("barrier.cluster.arrive.relaxed;\n barrier.cluster.wait;" ::: "memory");
+#endif
+  }
+};
 
 // Before the first cluster_allreduce: the mbarriers initialized, and visible to the cluster
 // before any block stores into another.

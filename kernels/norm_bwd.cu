@@ -35,9 +35,12 @@
 // CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
 // and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
 // LAST: the last block sums the partials of a grid of few blocks (see below).
+// XC > 1: the grid is one cluster of XC blocks (gridDim.x == XC), which sum dgamma/dbeta through
+// distributed shared memory (ClusterSums); partial, accum and counter are then unused.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool LAST>
+          bool LAST, int XC = 1>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
+  static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
   // one cluster per row (the host's CLUSTER_TILES), and rows of more than a warp (the sums'
@@ -60,6 +63,17 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   const C inv_n = C(1) / (C)N;
   const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
   const bool want_g = dgamma != nullptr, want_b = dbeta != nullptr;
+  // Cluster sums: the received values first in the dynamic shared memory, then the column sums'
+  // buffer (both sized by the host).
+  ClusterSums<XC, C> csum;
+  if constexpr (XC > 1) {
+    __shared__ unsigned long long csum_bar;
+    csum.init(reinterpret_cast<C*>(cl_smem), 2 * N, &csum_bar, [&](const auto& cs) {
+      return (want_g ? cs.owned(0, N) : 0) + (want_b ? cs.owned(N, 2 * N) : 0);
+    });
+    require_dynamic_smem((XC * csum.per + (blockDim.y > 1 ? blockDim.x * blockDim.y * VEC : 0)) *
+                         sizeof(C));
+  }
   C acc_g[NPT][VEC], acc_b[NPT][VEC];
 #pragma unroll
   for (int k = 0; k < NPT; ++k)
@@ -190,8 +204,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // a cluster's blocks leave together: none exits while its last row's sums may still be on
   // their way into another block's shared memory
   if constexpr (CL > 1) cluster_sync();
+  if constexpr (XC > 1) csum.ready();
   if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
-  C* buf = reinterpret_cast<C*>(cl_smem);
+  C* buf = reinterpret_cast<C*>(cl_smem) + (XC > 1 ? XC * csum.per : 0);
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;  // this block's partials
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
@@ -201,7 +216,13 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       // scattered scalar stores had cost the N = 8192 backwards 15-30%)
       const cl_i64 col = base + (cl_i64)t * VEC;
       if (col >= N) continue;
-      if (partial) {
+      if constexpr (XC > 1) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (want_g) csum.send(col + j, acc_g[k][j]);
+          if (want_b) csum.send(N + col + j, acc_b[k][j]);
+        }
+      } else if (partial) {
         if (want_g) store_vec<VEC>(prow + col, acc_g[k]);
         if (want_b) store_vec<VEC>(prow + N + col, acc_b[k]);
       } else {
@@ -218,12 +239,23 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       return [&, off](int c, C s) {
         const cl_i64 col = base + c;
         if (col >= N) return;
-        if (partial) prow[off + col] = s;
+        if constexpr (XC > 1) csum.send(off + col, s);
+        else if (partial) prow[off + col] = s;
         else atomicAdd(accum + off + col, s);
       };
     };
     if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
     if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
+  }
+  if constexpr (XC > 1) {
+    csum.finish(2 * N, [&](cl_i64 c, C s) {
+      if (c < N) {
+        if (want_g) dgamma[c] = Store<W>::cvt(s);
+      } else if (want_b) {
+        dbeta[c - N] = Store<W>::cvt(s);
+      }
+    });
+    return;
   }
   // Only the LAST variant has the last-block sums: compiled into the other kernels that code
   // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16 (S8-3: 960.4 against 889.2 us).
@@ -273,6 +305,14 @@ template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAG
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST>(CLN_BWD_ARGS);
+}
+
+// A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
+// where the last-block sums would be taken, see BWD_CLUSTER_SUMS).
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC>
+__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
+CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
+  bwd_rows<T, W, LN, VEC, NPT, WARP, false, 1, false, XC>(CLN_BWD_ARGS);
 }
 
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in

@@ -363,7 +363,8 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
     plans.spy("bwd")
     got = {}
     for fused in (True, False):
-        plans.replan(BWD_SPREAD=0, FUSED_REDUCE_BLOCKS=64 if fused else 0)
+        plans.replan(BWD_SPREAD=0, FUSED_REDUCE_BLOCKS=64 if fused else 0,
+                     BWD_CLUSTER_SUMS=False)
         got[fused] = check_case(op, *case, deterministic=True)
         check_case(op, *case)
         check_case(op, *case, need=(False, op == "rms", op == "ln"))
@@ -372,6 +373,42 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
         assert plan.variant == ("bwd_last" if fused else "bwd")
     for a, b in zip(got[True], got[False], strict=True):
         assert (a is None and b is None) or cp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(32, 512, F16, F16), (1, 1, F32, F32),
+                                        (37, 33, BF16, F32), (5, 512, F16, F32),
+                                        (8, 500, F32, F32), (3, 300, F64, F64),
+                                        (60, 256, BF16, BF16), (8, 8192, F16, F16),
+                                        (16, 1024, F32, F32), (2, 2048, F64, F64),
+                                        (32, 1000, BF16, F32)])
+def test_cluster_sums(plans, op, M, N, dt, wdt):
+    """Rows that fit in one cluster of CSUM_BLOCKS blocks run there, and the blocks sum
+    dgamma/dbeta through distributed shared memory: it matches the reference, deterministic or
+    not, with either parameter gradient alone too, and is bitwise repeatable; so does the path
+    without clusters. The plan takes it exactly where the device has clusters (every case here
+    fits in one)."""
+    from cupyln import _launch
+
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    got = {}
+    for on in (True, False):
+        plans.replan(BWD_CLUSTER_SUMS=on)
+        got[on] = check_case(op, *case, deterministic=True)
+        check_case(op, *case)
+        check_case(op, *case, need=(False, op == "rms", op == "ln"))
+        check_case(op, *case, need=(True, False, False))
+        plan = plans[0]
+        info = _launch.device_info(cp.cuda.Device().id)
+        assert (plan.variant == "bwd_csum") == (on and info.clusters), plan.variant
+        if plan.variant == "bwd_csum":
+            assert plan.grid == (_launch.CSUM_BLOCKS, 1) and "reduce" not in plan.launch
+    for _ in range(2):  # the cluster's order is fixed: the same bits on every call
+        plans.replan(BWD_CLUSTER_SUMS=True)
+        again = check_case(op, *case)
+        for a, b in zip(got[True], again, strict=True):
+            assert (a is None and b is None) or cp.array_equal(a, b)
 
 
 # --------------------------------------------------------------------------- determinism
