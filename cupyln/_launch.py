@@ -33,14 +33,12 @@ FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
 # load with the row (S5-2, tune.py): 1024x768 (36% of the slots) 6.3 us with the limit at all
 # slots (FWD_SMALL_M_FILL = 1) against 6.9 at a quarter, the other tuned shapes within 0.2 us;
 # at 4 (4096x1024 f16, f32 too) 11.0 / 16.6 us against 10.8 / 15.6.
-# (Narrower vectors there, for 128 threads per row, made no difference: S5-2, within 0.1 us.)
+# (Narrower vectors there, for 128 threads per row, made no difference: S5-2, within 0.1 us;
+# S11-1, 8-byte vectors against 16, us: 32x512 f16 4.95 / 4.85, RMSNorm 4.75 / 4.6, 192x1024
+# bf16 5.5 / 5.35, 1024x768 f16 6.35 / 6.0, 96x768 f16 5.1 / 5.1.)
 # FWD_SMALL_NPT: vectors per thread on that path (tuning): rows in one warp with 2 or 4, so
 # without a barrier, were slower (S9-1, tune.py: 32x512 f16 5.8 / 6.6 us against 5.1).
 FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_NPT = True, 1.0, 1
-# FWD_SMALL_VEC_BYTES: that path's vector width in bytes (at most the widest the pointers allow).
-# Nsight Compute (S10-5, 32x512 f16): the kernel took 3.81 us against Liger's 3.10, with 276 warp
-# instructions per warp against 149 (Liger: four warps per row, 8 bytes per thread).
-FWD_SMALL_VEC_BYTES = 16
 # One vector per thread for any M where such a row fits in a warp (S5-5/S5-6 tune, 131072x64
 # f16: RMSNorm 14.8 -> 14.4 us, LayerNorm 15.6 -> 15.0; the others unchanged).
 # The forward grid's cap in blocks per SM (rows past it loop in the blocks): 64 had 131072x4096
@@ -95,11 +93,16 @@ ATOMIC_FLUSH = False
 # launch on the GPU (S8-2: 8x1000 f16 9.6 / 8.0 us, 16x1024 f32 9.8 / 8.9, 8x8192 f16 28.6 /
 # 11.5).
 FUSED_REDUCE_BLOCKS = 8
-# On sm_90, a backward whose rows fit in CSUM_BLOCKS blocks runs as one thread-block cluster of
-# that many blocks (rows spread over all of them; CSUM_BLOCKS is a template argument of the
-# kernel, "bwd_csum"), which sum dgamma/dbeta through distributed shared memory: no scratch,
-# fence or ticket counter, and the column sums shared by all blocks instead of done by the last
-# one. Deterministic (a fixed order per grid). False: the paths above (tests, tuning).
+# On sm_90, a backward whose rows fit in CSUM_BLOCKS blocks at once runs as one thread-block
+# cluster of that many blocks (rows spread over all of them; CSUM_BLOCKS is a template argument
+# of the kernel, "bwd_csum"), which sum dgamma/dbeta through distributed shared memory: no
+# scratch, fence or ticket counter, and the column sums shared by all blocks instead of done by
+# the last one. Deterministic (a fixed order per grid). Measured (tune.py S11-1/S11-2, us, this
+# / without clusters): 32x512 f16 6.5 / 8.6 (last block), RMSNorm 6.0 / 7.7, 8x8192 f16 9.7 /
+# 11.5-12.3, 16x1024 f32 6.8 / 7.8-8.4, 8x1000 f16 6.3 / 7.5-8.2 (last block), 64x1024 bf16 8.3 /
+# 9.0, 128x512 f16 8.1 / 8.5 (two kernels). Blocks looping over two or more groups of rows (one
+# at a time, direct loads) lost: 192x1024 bf16 11.8 / 9.9, 96x768 f16 9.6 / 8.9, 256x1024 f16
+# 14.0 / 10.8. False: the paths above (tests, tuning).
 CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # Staged backward rows (cp.async, CUDA sm_80 on; kernels/common.cuh, stage_packs): a block's
 # next row is copied into shared memory while it reduces this one. Measured on the H200 (S6-5,
@@ -277,21 +280,11 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
     g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
     if FWD_SMALL_M:
-        slots = FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
-
-        def one_vector(v):  # the geometry of one vector of v elements per thread, if small
-            g1 = row_geometry(N // v, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
-                              FWD_BLOCK)
-            return g1, g1.fits and M * g1.tpr * FWD_SMALL_NPT <= slots
-
-        g1, small = one_vector(vec)
+        g1 = row_geometry(N // vec, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
+                          FWD_BLOCK)
+        small = M * g1.tpr * FWD_SMALL_NPT <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
         if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
             g = g1
-        narrow = max(1, min(vec, FWD_SMALL_VEC_BYTES // dtype.itemsize))
-        if small and narrow < vec:  # narrower vectors: more threads, each a shorter chain
-            g1, still = one_vector(narrow)
-            if still:
-                g, vec = g1, narrow
     g = _spread(g, M, info.warp, 2 * info.sms)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
@@ -411,10 +404,12 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
     """The plan of one cluster of CSUM_BLOCKS blocks (see BWD_CLUSTER_SUMS), or None where the
     device has no clusters, the rows do not fit in those blocks, or the driver cannot place it."""
-    rpb = _round_up(_cdiv(M, CSUM_BLOCKS), max(1, info.warp // g.tpr))
+    unit = max(1, info.warp // g.tpr)  # rows per whole warp
+    most = _bwd_threads(g.npt) // g.tpr // unit * unit  # rows that one block can hold
+    rpb = min(_round_up(_cdiv(M, CSUM_BLOCKS), unit), most)
     # (BWD_STAGE = "always" stages wherever it can: this kernel has direct rows only)
-    if not (g.fits and info.clusters and BWD_CLUSTER_SUMS and rpb <= g.rpb
-            and BWD_STAGE != "always"):
+    if not (g.fits and info.clusters and BWD_CLUSTER_SUMS and BWD_STAGE != "always"
+            and M <= CSUM_BLOCKS * rpb):
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, CSUM_BLOCKS)
     kern = _compile.kernels(spec, "bwd")["bwd_csum"]

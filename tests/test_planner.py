@@ -132,3 +132,39 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     assert early == (plan.spec.npt > 1 and dtype.itemsize >= 4)
     assert plan.variant != "fwd" or not early
     assert plan.variant != "fwd_early" or early
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 14),
+       st.integers(1, 1 << 14), WARPS, st.booleans())
+def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters):
+    """Where clusters exist and the driver can place one, a backward whose rows fit in
+    CSUM_BLOCKS blocks of the backward's thread limit runs there: one cluster, every row in one
+    pass, whole warps, its shared memory on the SM; elsewhere it never does."""
+    from unittest import mock
+
+    from cupyln.api import BFLOAT16
+
+    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+    info = _launch.DeviceInfo(132, warp, 2048, 65536, 233472, True, clusters)
+
+    def kernels(spec, pass_):
+        return dict.fromkeys(spec.names(pass_), _FakeKernel())
+
+    with mock.patch.object(_launch, "device_info", lambda dev: info), \
+            mock.patch.object(_launch._compile, "kernels", kernels), \
+            mock.patch.object(_launch._driver, "max_active_clusters", lambda *a: 1), \
+            mock.patch.object(_launch, "Launcher", lambda *args: None):
+        vec = _launch._vec(dtype, N, (N,), [])
+        plan = _launch.plan_bwd.__wrapped__(0, dtype, dtype, True, M, N, vec)
+    if plan.variant != "bwd_csum":
+        g = _launch.row_geometry(N // vec, warp, _launch.BWD_NPT_MIN, _launch.BWD_NPT,
+                                 _launch.BWD_TPR_MAX, _launch.BWD_BLOCK)
+        rows = _launch._bwd_threads(g.npt) // g.tpr  # at most, in one block
+        assert not (clusters and g.fits and M <= _launch.CSUM_BLOCKS * rows)
+        return
+    assert clusters
+    tpr, rpb = plan.block
+    assert plan.grid == (_launch.CSUM_BLOCKS, 1) and plan.spec.tiles == _launch.CSUM_BLOCKS
+    assert M <= _launch.CSUM_BLOCKS * rpb  # no block loops over rows
+    assert (tpr * rpb) % warp == 0 and tpr * rpb <= _launch._bwd_threads(plan.spec.npt)
+    assert 0 < plan.smem <= info.smem_per_sm
