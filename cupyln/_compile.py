@@ -45,8 +45,9 @@ class Spec(NamedTuple):
         return f"{t}, {w}, {ln}, {self.vec}, {self.npt}, {self.warp}"
 
     def names(self, pass_):
-        """The name expression of each kernel of one pass: 'fwd', 'bwd' (rows within a block) or
-        'bwd_long' (longer rows)."""
+        """The name expression of each kernel of one pass: 'fwd', 'bwd' (rows within a block;
+        with ``tiles`` > 1 the kernel of a grid of one cluster alone) or 'bwd_long' (longer
+        rows)."""
         a = self._args()
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -59,6 +60,8 @@ class Spec(NamedTuple):
             if self.npt > 1 and self.dtype.itemsize >= 4:
                 names["fwd_early"] = f"norm_fwd<{a}, false, true>"
             return names
+        if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
+            return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         names = {
             "bwd": f"norm_bwd<{a}, false, false>",
@@ -66,8 +69,6 @@ class Spec(NamedTuple):
             "bwd_last": f"norm_bwd<{a}, false, true>",  # the last block sums the partials
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
-        if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks
-            names["bwd_csum"] = f"norm_bwd_csum<{a}, {self.tiles}>"
         if pass_ == "bwd_long":  # rows longer than one block: column tiles
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             if self.tiles > 1:  # in clusters of `tiles` blocks

@@ -205,8 +205,9 @@ def all_kernel_names(warp):
                     for n in npts:
                         if n & (n - 1):
                             continue  # vectors per thread are powers of two
-                        tiles = {"bwd_long": CLUSTER_TILES, "bwd": CSUM_BLOCKS}.get(pass_, 1)
-                        names.update(Spec(t, w, ln, v, n, warp, tiles).names(pass_).values())
+                        for tiles in {"bwd_long": (CLUSTER_TILES,),
+                                      "bwd": (1, CSUM_BLOCKS)}.get(pass_, (1,)):
+                            names.update(Spec(t, w, ln, v, n, warp, tiles).names(pass_).values())
     return names
 
 
