@@ -10,6 +10,9 @@
 // into dgamma/dbeta and zeroes it for the next launch: one kernel), or writes them to its own
 // row of a [blocks, 2N] scratch that norm_bwd_reduce sums in a fixed order (deterministic); a
 // grid of few blocks sums those rows itself, in its last block, in the same order (one kernel).
+// Rows that fit in the blocks of one cluster at once (sm_90) run there instead (norm_bwd_csum):
+// the blocks sum dgamma/dbeta among themselves through distributed shared memory, in a fixed
+// order, with no scratch.
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
 // after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
@@ -46,6 +49,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // one cluster per row (the host's CLUSTER_TILES), and rows of more than a warp (the sums'
   // exchange relies on row_allreduce's block barrier)
   if (CL > 1 && (gridDim.y != CL || blockDim.x <= WARP)) cl_trap();
+  // one cluster in all (two would each write dgamma/dbeta from their own rows only)
+  if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
   if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
@@ -308,7 +313,7 @@ __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
-// where the last-block sums would be taken, see BWD_CLUSTER_SUMS).
+// where the rows fit in its blocks at once, see BWD_CLUSTER_SUMS).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
