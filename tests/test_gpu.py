@@ -385,8 +385,8 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
 def test_cluster_sums(plans, op, M, N, dt, wdt):
     """Rows that fit in one cluster of CSUM_BLOCKS blocks run there, and the blocks sum
     dgamma/dbeta through distributed shared memory: it matches the reference, deterministic or
-    not, with either parameter gradient alone too, and is bitwise repeatable; so does the path
-    without clusters. The plan takes it exactly where the device has clusters (every case here
+    not, with one parameter gradient alone (dbeta for LayerNorm, dgamma for RMSNorm) and with dx
+    alone, and is bitwise repeatable; so does the path without clusters. The plan takes it exactly where the device has clusters (every case here
     fits in one)."""
     from cupyln import _launch
 
