@@ -424,6 +424,29 @@ __device__ __forceinline__ unsigned int cluster_addr(unsigned int a, unsigned in
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
   return r;
 }
+__device__ __forceinline__ unsigned int cluster_rank() {
+  unsigned int r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The mbarriers at shared addresses `bar`: made ready for one arrival per phase; that arrival,
+// announcing `bytes` of st.async stores to come; and the wait for the phase of `parity` to
+// complete (acquire at cluster scope: the stored values are visible after it).
+__device__ __forceinline__ void mbarrier_init(unsigned int bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_expect(unsigned int bar, unsigned int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned int bar, unsigned int parity) {
+  unsigned int done = 0;
+  do {
+    asm volatile(
+        "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
 __device__ __forceinline__ void st_async2(unsigned int a, float v0, float v1, unsigned int bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
                ::"r"(a), "f"(v0), "f"(v1), "r"(bar) : "memory");
@@ -465,13 +488,11 @@ template <int XC, typename C> struct ClusterSums {
 #if CLN_CLUSTERS
     recv = buf;
     per = (ncols + XC - 1) / XC;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    rank = cluster_rank();
     bar = smem_addr(mbar);
     if (threadIdx.x == 0 && threadIdx.y == 0) {
-      const unsigned int bytes = (unsigned int)(count(*this) * XC * sizeof(C));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                   "r"(bytes) : "memory");
+      mbarrier_init(bar);
+      mbarrier_expect(bar, (unsigned int)(count(*this) * XC * sizeof(C)));
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
@@ -498,12 +519,7 @@ template <int XC, typename C> struct ClusterSums {
   // block leaves while values may still be on their way to another.
   template <typename F> __device__ __forceinline__ void finish(cl_i64 ncols, F emit) const {
 #if CLN_CLUSTERS
-    unsigned int done = 0;
-    do {
-      asm volatile(
-          "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
-          " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar) : "memory");
-    } while (!done);
+    mbarrier_wait(bar, 0);
     const int threads = blockDim.x * blockDim.y;
     for (cl_i64 j = threadIdx.y * blockDim.x + threadIdx.x; j < per; j += threads) {
       const cl_i64 c = j * XC + rank;
@@ -526,8 +542,7 @@ template <int CL, int K, typename C> __device__ __forceinline__ void cluster_all
   auto& x = cluster_exchange<CL, K, C>();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&x.bar[b])) : "memory");
+    for (int b = 0; b < 2; ++b) mbarrier_init(smem_addr(&x.bar[b]));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   asm volatile("barrier.cluster.arrive.relaxed;\n barrier.cluster.wait;" ::: "memory");
@@ -544,22 +559,12 @@ __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
   const int b = phase & 1;
   const unsigned int bar = smem_addr(&x.bar[b]);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                 "r"((unsigned int)(CL * K * sizeof(C))) : "memory");
-    unsigned int rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    const unsigned int slot = smem_addr(&x.recv[b][rank][0]);
+    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C)));
+    const unsigned int slot = smem_addr(&x.recv[b][cluster_rank()][0]);
 #pragma unroll
     for (int r = 0; r < CL; ++r) st_async2(cluster_addr(slot, r), v[0], v[1], cluster_addr(bar, r));
   }
-  // this buffer's phase: its (phase / 2)-th completion
-  const unsigned int parity = (unsigned int)(phase >> 1) & 1u;
-  unsigned int done = 0;
-  do {
-    asm volatile(
-        "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
+  mbarrier_wait(bar, (unsigned int)(phase >> 1) & 1u);  // this buffer's (phase / 2)-th completion
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = C(0);
 #pragma unroll
