@@ -177,8 +177,19 @@ def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
 def _spread(g, M, warp, blocks):
     """Fewer rows per block when M is small, so that about ``blocks`` blocks get work; a block
     keeps at least one full warp (the shuffles assume whole warps)."""
-    unit = max(1, warp // g.tpr)  # rows per whole warp
+    unit = _warp_rows(g, warp)
     return g._replace(rpb=max(unit, min(g.rpb, _round_up(_cdiv(M, max(1, blocks)), unit))))
+
+
+def _warp_rows(g, warp):
+    """Rows of geometry ``g`` per whole warp (1 for rows of a warp or more)."""
+    return max(1, warp // g.tpr)
+
+
+def _colsum_bytes(g, rpb, vec, dtype):
+    """Shared memory of the backward's column sums over a block's ``rpb`` rows of geometry ``g``
+    (block_column_sums; none for one row)."""
+    return g.tpr * rpb * vec * ACC_DTYPES[dtype].itemsize if rpb > 1 else 0
 
 
 def vec_options(dtype):
@@ -349,7 +360,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         kerns = _compile.kernels(spec, "bwd")
         block, tiles, cluster = (g.tpr, g.rpb), 1, False
         # the column sums over a block's rows
-        colsum = g.tpr * g.rpb * vec * ACC_DTYPES[dtype].itemsize if g.rpb > 1 else 0
+        colsum = _colsum_bytes(g, g.rpb, vec, dtype)
     else:
         # column tiles: a cluster of CLUSTER_TILES blocks per row where the row fits in them
         # (sm_90 on; the driver counts the clusters that fit, and where it cannot the row sums
@@ -405,7 +416,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
     """The plan of one cluster of CSUM_BLOCKS blocks (see BWD_CLUSTER_SUMS), or None where the
     device has no clusters, the rows do not fit in those blocks, or the driver cannot place it."""
-    unit = max(1, info.warp // g.tpr)  # rows per whole warp
+    unit = _warp_rows(g, info.warp)
     most = _bwd_threads(g.npt) // g.tpr // unit * unit  # rows that one block can hold
     rpb = min(_round_up(_cdiv(M, CSUM_BLOCKS), unit), most)
     # (BWD_STAGE = "always" stages wherever it can: this kernel has direct rows only)
@@ -414,11 +425,10 @@ def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, CSUM_BLOCKS)
     kern = _compile.kernels(spec, "bwd")["bwd_csum"]
-    acc = ACC_DTYPES[dtype].itemsize
     # the values each block receives ([CSUM_BLOCKS][2N / CSUM_BLOCKS]), then the column sums
     # over its rows
-    smem = CSUM_BLOCKS * _cdiv(2 * N, CSUM_BLOCKS) * acc
-    smem += g.tpr * rpb * vec * acc if rpb > 1 else 0
+    smem = CSUM_BLOCKS * _cdiv(2 * N, CSUM_BLOCKS) * ACC_DTYPES[dtype].itemsize
+    smem += _colsum_bytes(g, rpb, vec, dtype)
     block = (g.tpr, rpb)
     if _driver.max_active_clusters(kern, (CSUM_BLOCKS, 1), block, smem) < 1:
         return None
