@@ -104,32 +104,45 @@ class _FakeKernel:
     num_regs, shared_size_bytes, max_dynamic_shared_size_bytes = 64, 0, 48 * 1024
 
 
+_SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
+
+
+def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True):
+    """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
+    device (kernels not compiled; the driver places any cluster), and the kernels of the modules
+    it asked for, by variant name."""
+    from unittest import mock
+
+    from cupyln.api import BFLOAT16
+
+    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+    info = _launch.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, True, clusters)
+    built = {}
+
+    def kernels(spec, p):
+        names = spec.names(p)
+        built.update(names)
+        return dict.fromkeys(names, _FakeKernel())
+
+    with mock.patch.object(_launch, "device_info", lambda dev: info), \
+            mock.patch.object(_launch._compile, "kernels", kernels), \
+            mock.patch.object(_launch._driver, "max_active_clusters", lambda *a: 1), \
+            mock.patch.object(_launch, "Launcher", lambda *args: None):
+        vec = _launch._vec(dtype, N, (N,), [])
+        planner = _launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd
+        return planner.__wrapped__(0, dtype, dtype, True, M, N, vec), built
+
+
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 16), WARPS)
 def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     """The forward planner takes a kernel of the module it compiles; the kernel that loads
     gamma/beta with the row wherever that module has it (4-byte and wider types, several vectors
     per thread), and no other kernel where it has it but a plain row would run."""
-    from unittest import mock
-
-    from cupyln.api import BFLOAT16
-
-    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
-    info = _launch.DeviceInfo(132, warp, 2048, 65536, 233472, True, True)
-    built = {}
-
-    def kernels(spec, pass_):
-        built.update(spec.names(pass_))
-        return dict.fromkeys(built, _FakeKernel())
-
-    with mock.patch.object(_launch, "device_info", lambda dev: info), \
-            mock.patch.object(_launch._compile, "kernels", kernels), \
-            mock.patch.object(_launch, "Launcher", lambda *args: None):
-        vec = _launch._vec(dtype, N, (N,), [])
-        plan = _launch.plan_fwd.__wrapped__(0, dtype, dtype, True, M, N, vec)
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
-    assert early == (plan.spec.npt > 1 and dtype.itemsize >= 4)
+    assert early == (plan.spec.npt > 1 and plan.spec.dtype.itemsize >= 4)
     assert plan.variant != "fwd" or not early
     assert plan.variant != "fwd_early" or early
 
@@ -140,24 +153,9 @@ def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters)
     """Where clusters exist and the driver can place one, a backward whose rows fit in
     CSUM_BLOCKS blocks of the backward's thread limit runs there: one cluster, every row in one
     pass, whole warps, its shared memory on the SM; elsewhere it never does."""
-    from unittest import mock
-
-    from cupyln.api import BFLOAT16
-
-    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
-    info = _launch.DeviceInfo(132, warp, 2048, 65536, 233472, True, clusters)
-
-    def kernels(spec, pass_):
-        return dict.fromkeys(spec.names(pass_), _FakeKernel())
-
-    with mock.patch.object(_launch, "device_info", lambda dev: info), \
-            mock.patch.object(_launch._compile, "kernels", kernels), \
-            mock.patch.object(_launch._driver, "max_active_clusters", lambda *a: 1), \
-            mock.patch.object(_launch, "Launcher", lambda *args: None):
-        vec = _launch._vec(dtype, N, (N,), [])
-        plan = _launch.plan_bwd.__wrapped__(0, dtype, dtype, True, M, N, vec)
+    plan, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
     if plan.variant != "bwd_csum":
-        g = _launch.row_geometry(N // vec, warp, _launch.BWD_NPT_MIN, _launch.BWD_NPT,
+        g = _launch.row_geometry(N // plan.spec.vec, warp, _launch.BWD_NPT_MIN, _launch.BWD_NPT,
                                  _launch.BWD_TPR_MAX, _launch.BWD_BLOCK)
         rows = _launch._bwd_threads(g.npt) // g.tpr  # at most, in one block
         assert not (clusters and g.fits and M <= _launch.CSUM_BLOCKS * rows)
@@ -167,4 +165,4 @@ def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters)
     assert plan.grid == (_launch.CSUM_BLOCKS, 1) and plan.spec.tiles == _launch.CSUM_BLOCKS
     assert M <= _launch.CSUM_BLOCKS * rpb  # no block loops over rows
     assert (tpr * rpb) % warp == 0 and tpr * rpb <= _launch._bwd_threads(plan.spec.npt)
-    assert 0 < plan.smem <= info.smem_per_sm
+    assert 0 < plan.smem <= _SMEM_PER_SM
