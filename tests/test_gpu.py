@@ -386,8 +386,8 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
     """Rows that fit in one cluster of CSUM_BLOCKS blocks run there, and the blocks sum
     dgamma/dbeta through distributed shared memory: it matches the reference, deterministic or
     not, with one parameter gradient alone (dbeta for LayerNorm, dgamma for RMSNorm) and with dx
-    alone, and is bitwise repeatable; so does the path without clusters. The plan takes it exactly where the device has clusters (every case here
-    fits in one)."""
+    alone, and is bitwise repeatable; so does the path without clusters. The plan takes it
+    exactly where the device has clusters (every case here fits in one)."""
     from cupyln import _launch
 
     case = inputs(M, N, dt, wdt)
