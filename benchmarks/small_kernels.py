@@ -4,6 +4,7 @@ cupyln with planner variants, one profiled call each after warm-up, behind an L2
     ncu --csv --metrics "$(python benchmarks/small_kernels.py --metrics)" \\
         --profile-from-start off --log-file k.csv python benchmarks/small_kernels.py cases.txt
     python benchmarks/small_kernels.py --table cases.txt k.csv
+    CUPYLN_SMALL_SHAPES=layernorm:4096:4096:float16 ...            # other shapes
 
 The first command writes the case of each profiled group to cases.txt; the second sums each
 group's kernels (the flush kernel separates the groups) and prints a table: microseconds, and
@@ -19,6 +20,10 @@ import sys
 SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
           ("layernorm", 192, 1024, "bfloat16"), ("layernorm", 1024, 768, "float16"),
           ("rmsnorm", 32, 512, "float16")]
+# CUPYLN_SMALL_SHAPES="op:M:N:dtype,..." profiles those instead (the format of tune.py's).
+if os.environ.get("CUPYLN_SMALL_SHAPES"):
+    SHAPES = [(o, int(m), int(n), d) for o, m, n, d in
+              (item.split(":") for item in os.environ["CUPYLN_SMALL_SHAPES"].split(","))]
 # cupyln variants: _launch constants set for the case (the others keep their values), and
 # other kernel sources as in tune.py (CUPYLN_TUNE_SOURCES: name=file pairs)
 VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False}}
@@ -28,7 +33,8 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 FLUSH = "l2_flush"
 DURATION, ACTIVE = "gpu__time_duration.sum", "sm__cycles_active.max"
 INSTR = "smsp__inst_executed.sum"
-METRICS = ",".join((DURATION, ACTIVE, INSTR))
+READ, WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
+METRICS = ",".join((DURATION, ACTIVE, INSTR, READ, WRITE))
 _STALL = "smsp__average_warps_issue_stalled_"
 STALLS = ["long_scoreboard", "short_scoreboard", "wait", "barrier", "no_instruction", "imc_miss",
           "membar", "drain"]
@@ -92,6 +98,8 @@ def table(cases_path, csv_path):
         if row["Metric Name"] == DURATION:
             value *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
                       "ms": 1e3}[row["Metric Unit"]]
+        elif row["Metric Name"] in (READ, WRITE):  # in MB
+            value *= {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}[row["Metric Unit"]]
         kernels.setdefault(int(row["ID"]), (row["Kernel Name"], {}))[1][row["Metric Name"]] = value
     groups = []
     for _, (name, m) in sorted(kernels.items()):
@@ -108,10 +116,11 @@ def table(cases_path, csv_path):
                                  for r in STALLS)
                 print(f"{label:<52} {k.get(total, 0):5.1f} ({parts})")
         return
-    print(f"{'case':<52} {'us':>6}  per kernel: us / busiest SM's active cycles / warp instr.")
+    print(f"{'case':<52} {'us':>6}  per kernel: us / busiest SM's active cycles / warp instr."
+          " / DRAM MB read / written")
     for label, ks in zip(labels, groups, strict=False):
         parts = " + ".join(f"{k.get(DURATION, 0):.2f}/{k.get(ACTIVE, 0):.0f}/{k.get(INSTR, 0):.0f}"
-                           for k in ks)
+                           f"/{k.get(READ, 0):.1f}/{k.get(WRITE, 0):.1f}" for k in ks)
         print(f"{label:<52} {sum(k.get(DURATION, 0) for k in ks):6.2f}  ({parts})")
     if len(labels) != len(groups):
         print(f"warning: {len(labels)} cases but {len(groups)} profiled groups")
