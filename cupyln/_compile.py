@@ -52,13 +52,19 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
             ln = "true" if self.is_ln else "false"
-            names = {"fwd": f"norm_fwd<{a}, false, false>",
-                     "fwd_staged": f"norm_fwd<{a}, true, false>",
+            names = {"fwd": f"norm_fwd<{a}, false, false, false>",
+                     "fwd_staged": f"norm_fwd<{a}, true, false, false>",
                      "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
             # gamma/beta loaded with the row (one vector per thread: "fwd" does already). Built
             # for 4-byte and wider types only: 2-byte ones spilled and lost everywhere (S10-1).
             if self.npt > 1 and self.dtype.itemsize >= 4:
-                names["fwd_early"] = f"norm_fwd<{a}, false, true>"
+                names["fwd_early"] = f"norm_fwd<{a}, false, true, false>"
+            # LayerNorm rows whose length is a multiple of the chunk: no column tests ("_full"
+            # variants; RMSNorm lost 0.2-0.7% without them, S12-9)
+            if self.is_ln:
+                names["fwd_full"] = f"norm_fwd<{a}, false, false, true>"
+                if "fwd_early" in names:
+                    names["fwd_early_full"] = f"norm_fwd<{a}, false, true, true>"
             return names
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}

@@ -61,6 +61,15 @@ FWD_STAGE = "auto"
 # types, whose held packs spill (S10-1: 4096x1024 f16 10.3 / 12.1, bf16 10.5 / 12.9, 4096x2048
 # f16 15.9 / 19.1, 16384x8192 bf16 144.7 / 216.5). False: never (tests, tuning).
 FWD_EARLY = True
+# LayerNorm rows whose length N is a multiple of the block's chunk (threads per row x vectors per
+# thread x vector width: every thread's vectors lie in the row) run a variant of the direct
+# kernels without the per-vector column tests (loads, the centred pass, stores): "_full". S12-9
+# (tune.py, us, two rounds, with the tests / without): 4096x4096 f16 24.3, 24.3 / 23.6, 23.9,
+# 4096x2048 f16 16.1, 15.6 / 15.0, 15.1, 4096x1024 f16 10.2, 10.2 / 9.7, 9.9, 4096x1024 f32
+# 14.1, 14.0 / 13.6, 13.7, 16384x8192 bf16 145.2, 145.0 / 137.9, 137.8, 131072x4096 bf16 532.6,
+# 533.2 / 516.8, 517.2. Not for RMSNorm (no centred pass): 16384x8192 bf16 134.5, 134.1 / 135.4,
+# 135.4. False: never (tests, tuning).
+FWD_FULL = True
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -314,6 +323,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             grid = (min(_cdiv(M, g.rpb), resident),)
     if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
         main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
+    if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
+        main += "_full"  # every thread's vectors lie in the row (see FWD_FULL)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 

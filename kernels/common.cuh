@@ -175,8 +175,9 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
 }
 
 // Raw loads of NPT vectors of a row (zero outside [0, N) and for invalid rows): kept as packed
-// storage while the loads are in flight.
-template <int VEC, int NPT, typename T, typename P>
+// storage while the loads are in flight. FULL: the caller knows every vector lies below N (no
+// test per vector).
+template <int VEC, int NPT, bool FULL = false, typename T, typename P>
 __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
                                            bool valid, P (&p)[NPT]) {
   static_assert(sizeof(P) == sizeof(T) * VEC, "a pack is VEC elements of T");
@@ -184,7 +185,7 @@ __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0,
   for (int k = 0; k < NPT; ++k) {
     const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
     p[k] = P{};
-    if (valid && col < N) p[k] = *reinterpret_cast<const P*>(row + col);
+    if (valid && (FULL || col < N)) p[k] = *reinterpret_cast<const P*>(row + col);
   }
 }
 
@@ -194,11 +195,11 @@ __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0,
 template <typename T, int VEC> struct RowVec { typedef Vals<typename Acc<T>::type, VEC> type; };
 template <int VEC> struct RowVec<cl_bf16, VEC> { typedef Pack<cl_bf16, VEC> type; };
 
-template <int VEC, int NPT, typename T, typename R>
+template <int VEC, int NPT, bool FULL = false, typename T, typename R>
 __device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, cl_i64 N,
                                          bool valid, R (&p)[NPT]) {
   Pack<T, VEC> raw[NPT];
-  load_packs<VEC, NPT>(row, c0, N, valid, raw);
+  load_packs<VEC, NPT, FULL>(row, c0, N, valid, raw);
 #pragma unroll
   for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
 }

@@ -17,8 +17,9 @@
 // (tune.py, one machine) against merging per-warp (count, mean, M2) after one barrier: 131072x4096
 // bf16 559 vs 620 us, 16384x8192 bf16 159 vs 173 us.
 // A row of one chunk (CHUNKED = false) takes the chunk's statistics as they are, with
-// `inv_cnt` = 1 / N: no division and no merge on the row's critical path.
-template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, typename R, typename C>
+// `inv_cnt` = 1 / N: no division and no merge on the row's critical path. FULL: every vector
+// lies below N (see fwd_rows).
+template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, bool FULL, typename R, typename C>
 __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64 N,
                                             cl_i64 chunk, int phase, C inv_cnt, C& n, C& mean,
                                             C& m2) {
@@ -43,7 +44,7 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     // past N the row holds zeros: centred on 0 there, they add nothing (one select per vector)
-    const C ck = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N ? cm : C(0);
+    const C ck = FULL || c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N ? cm : C(0);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const C d = (C)elem(p[k], j) - ck;
@@ -62,8 +63,8 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
-// they are read here; they stay packed until used (fewer live registers).
-template <bool HELD, int VEC, int NPT, typename T, typename W, typename C, typename R,
+// they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
+template <bool HELD, int VEC, int NPT, bool FULL, typename T, typename W, typename C, typename R,
           typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
                                             C rstd, const W* __restrict__ gamma,
@@ -72,7 +73,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int col = c0 + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
-    if (col >= N) continue;
+    if (!FULL && col >= N) continue;
     C o[VEC];
     // (x - mean) * (rstd * gamma) + beta: three operations per element (the last two fused),
     // with the gamma/beta cases unswitched here rather than tested per element
@@ -107,9 +108,11 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 
 // Rows of one chunk (CHUNKED = false: the row stays in registers, packed as loaded, and x is
 // read once) or of many (CHUNKED = true: statistics over all chunks, then each chunk read again
-// for the output).
+// for the output). FULL (the planner's choice where N is a multiple of the chunk, direct rows of
+// one chunk): every thread's vectors lie below N, so the loads, the centred pass and the stores
+// test no column (fewer instructions and registers: see FWD_FULL in _launch.py).
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP>
+          int NPT, int WARP, bool FULL = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
@@ -161,13 +164,13 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
 #pragma unroll
         for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
       } else {
-        load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+        load_row<VEC, NPT, FULL>(xr, (cl_i64)c * chunk, N, valid, p);
       }
       if (EARLY) {  // predicated, not branched: a branch let a conversion of x wait before it
-        load_packs<VEC, NPT>(gamma, 0, N, gamma != nullptr, hg);
-        load_packs<VEC, NPT>(beta, 0, N, beta != nullptr, hb);
+        load_packs<VEC, NPT, FULL>(gamma, 0, N, gamma != nullptr, hg);
+        load_packs<VEC, NPT, FULL>(beta, 0, N, beta != nullptr, hb);
       }
-      chunk_stats<CHUNKED, LN, WARP, VEC, NPT>(p, (cl_i64)c * chunk, N, chunk, phase, inv_n, n,
+      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL>(p, (cl_i64)c * chunk, N, chunk, phase, inv_n, n,
                                                mean, m2);
     }
     const C mu = LN ? mean : C(0);
@@ -178,7 +181,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     }
     for (int c = 0; c < nchunks && valid; ++c) {
       if (CHUNKED) load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
-      write_chunk<EARLY, VEC, NPT>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N,
+      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N,
                                   hg, hb);
     }
   }
@@ -190,10 +193,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
       cl_i64 N, typename Acc<T>::type eps
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
+          bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP>(x, ldx, gamma, beta, y, mean_out,
-                                                          rstd_out, M, N, eps);
+  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
+                                                                rstd_out, M, N, eps);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).

@@ -309,7 +309,7 @@ def test_parameters_loaded_with_the_row_or_after(plans, op, M, N, dt, wdt, has_b
     plans.spy("fwd")
     out, variants = {}, {}
     for early in (False, True):
-        plans.replan(FWD_EARLY=early)
+        plans.replan(FWD_EARLY=early, FWD_FULL=False)
         out[early] = (cupyln.layer_norm_fwd(x, g, b) if op == "ln"
                       else cupyln.rms_norm_fwd(x, g))
         (plan,) = plans
@@ -318,6 +318,33 @@ def test_parameters_loaded_with_the_row_or_after(plans, op, M, N, dt, wdt, has_b
     built = "fwd_early" in plan.spec.names("fwd")  # the module's rule (checked in test_planner)
     assert variants == {False: "fwd", True: "fwd_early" if built else "fwd"}
     for a, c in zip(out[False], out[True], strict=True):
+        assert cp.array_equal(a, c)
+
+
+@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
+    (4096, 1024, F16, F16, True), (32, 512, F16, F16, True),  # one vector per thread
+    (7, 768, F32, F32, False), (300, 4096, BF16, F32, True), (1000, 2048, F64, F32, True),
+    (5, 8192, F16, F16, False), (3001, 16, F32, F32, True),  # short rows, several per block
+    (37, 1000, F16, F16, True),  # not a multiple of the chunk: the tested kernel either way
+])
+def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
+    """LayerNorm rows whose length is a multiple of the block's chunk run the forward variant
+    without per-column tests (FWD_FULL): the planner takes it exactly there, it matches the
+    reference, and it gives bitwise what the tested kernel gives (the same arithmetic)."""
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
+    x, g = cp.asarray(x_h), cp.asarray(g_h)
+    b = None if b_h is None else cp.asarray(b_h)
+    plans.spy("fwd")
+    out = {}
+    for full in (True, False):
+        plans.replan(FWD_FULL=full)
+        out[full] = cupyln.layer_norm_fwd(x, g, b)
+        (plan,) = plans
+        tpr, rows = plan.block
+        multiple = N % (tpr * plan.spec.npt * plan.spec.vec) == 0
+        assert plan.variant.endswith("_full") == (full and multiple), plan.variant
+        check_case("ln", x_h, dy_h, g_h, b_h)
+    for a, c in zip(out[True], out[False], strict=True):
         assert cp.array_equal(a, c)
 
 
