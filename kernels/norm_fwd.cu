@@ -170,8 +170,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
         load_packs<VEC, NPT, FULL>(gamma, 0, N, gamma != nullptr, hg);
         load_packs<VEC, NPT, FULL>(beta, 0, N, beta != nullptr, hb);
       }
-      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL>(p, (cl_i64)c * chunk, N, chunk, phase, inv_n, n,
-                                               mean, m2);
+      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL>(p, (cl_i64)c * chunk, N, chunk, phase,
+                                                     inv_n, n, mean, m2);
     }
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
@@ -181,8 +181,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     }
     for (int c = 0; c < nchunks && valid; ++c) {
       if (CHUNKED) load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
-      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta, y + row * N,
-                                  hg, hb);
+      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
+                                        y + row * N, hg, hb);
     }
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
