@@ -17,13 +17,13 @@ import csv
 import os
 import sys
 
+from cupyln.bench import env_shapes
+
 SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
           ("layernorm", 192, 1024, "bfloat16"), ("layernorm", 1024, 768, "float16"),
           ("rmsnorm", 32, 512, "float16")]
 # CUPYLN_SMALL_SHAPES="op:M:N:dtype,..." profiles those instead (the format of tune.py's).
-if os.environ.get("CUPYLN_SMALL_SHAPES"):
-    SHAPES = [(o, int(m), int(n), d) for o, m, n, d in
-              (item.split(":") for item in os.environ["CUPYLN_SMALL_SHAPES"].split(","))]
+SHAPES = env_shapes("CUPYLN_SMALL_SHAPES", SHAPES)
 # cupyln variants: _launch constants set for the case (the others keep their values), and
 # other kernel sources as in tune.py (CUPYLN_TUNE_SOURCES: name=file pairs)
 VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False}}

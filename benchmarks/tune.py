@@ -18,7 +18,7 @@ import numpy as np
 
 from cupyln import _compile, _launch
 from cupyln.api import BFLOAT16
-from cupyln.bench import cases, copy_bandwidth, device_us, make_inputs
+from cupyln.bench import cases, copy_bandwidth, device_us, env_shapes, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
@@ -29,9 +29,7 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
           ("rmsnorm", 131072, 4096, "bfloat16"), ("layernorm", 4096, 2048, "float16"),
           ("layernorm", 4096, 4096, "float16"), ("rmsnorm", 16384, 8192, "bfloat16")]
 # CUPYLN_TUNE_SHAPES="op:M:N:dtype,..." times those instead.
-if os.environ.get("CUPYLN_TUNE_SHAPES"):
-    SHAPES = [(o, int(m), int(n), d) for o, m, n, d in
-              (item.split(":") for item in os.environ["CUPYLN_TUNE_SHAPES"].split(","))]
+SHAPES = env_shapes("CUPYLN_TUNE_SHAPES", SHAPES)
 # Kernel sources: the current one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
 # holding all kernels as one translation unit, as _compile.source() makes it).
 SOURCES = {"current": _compile.source}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import json
+import os
 import time
 
 import cupy as cp
@@ -236,7 +237,6 @@ print(json.dumps({"fwd": (t1 - t0) * 1e6, "bwd": (t2 - t1) * 1e6}))
 def compile_rows(M=4096, N=1024, dtype="float16"):
     """First-call times in fresh processes: with an empty CUPY_CACHE_DIR (NVRTC compiles the
     forward module, then the backward one), then again with that cache filled (disk hits)."""
-    import os
     import subprocess
     import sys
     import tempfile
@@ -254,6 +254,15 @@ def compile_rows(M=4096, N=1024, dtype="float16"):
 
 
 # ----------------------------------------------------------------------------- main
+
+
+def env_shapes(var, default):
+    """Shapes from environment variable ``var`` ("op:M:N:dtype,...", as the tuning scripts take
+    them), else ``default``."""
+    text = os.environ.get(var)
+    if not text:
+        return default
+    return [(o, int(m), int(n), d) for o, m, n, d in (item.split(":") for item in text.split(","))]
 
 
 def load_shapes(path=None):
