@@ -346,52 +346,35 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
   }
 }
 
-// Half the power of two of lanes that covers a row's nw warps (nw > 1): the first step of
-// sum_warps' butterfly.
-__device__ __forceinline__ int warp_top(int nw) { return 1 << (31 - __clz(nw - 1)); }
-
-// Cross-warp step of a row of several warps (blockDim.x > WARP, uniform over the block): lane 0
-// of each warp writes its warp's values to shared memory, one barrier, then lanes read one
-// warp's values each, and zeros where they have none (returns whether this lane has one). Each
-// group of lanes spanning the power of two that covers the row's warps reads its own copy, so
-// sum_warps gives every lane the total. `phase` alternates between consecutive calls (the
-// caller's row counter), so a fast warp's next write goes to the other buffer while slow warps
-// still read this one.
-template <int WARP, int K, typename C>
-__device__ __forceinline__ bool gather_warps(C (&v)[K], int phase) {
-  __shared__ C red[2][K][1024 / WARP];
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int warp = tid / WARP, lane = tid % WARP;
-  const int nw = blockDim.x / WARP;
-  if (lane == 0) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) red[phase & 1][k][warp] = v[k];
-  }
-  __syncthreads();
-  const int src = lane & (2 * warp_top(nw) - 1);
-#pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = src < nw ? red[phase & 1][k][threadIdx.y * nw + src] : C(0);
-  return src < nw;
-}
-
-// Sum of gather_warps' values over the row: a butterfly over only the power of two of lanes
-// that covers its warps (one step for a row of two warps, not WARP's five); the steps left out
-// would add zeros, the same bits.
-template <int WARP, int K, typename C>
-__device__ __forceinline__ void sum_warps(C (&v)[K]) {
-  for (int o = warp_top(blockDim.x / WARP); o > 0; o >>= 1) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
-  }
-}
-
-// Sum over the row's threads: shuffles, and for rows of several warps one barrier.
+// Sum over the row's threads. Rows of several warps exchange warp sums through shared memory
+// with one barrier: `phase` alternates between consecutive calls (the caller's row counter), so
+// a fast warp's next write goes to the other buffer while slow warps still read this one.
 template <int WARP, int K, typename C>
 __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
+  __shared__ C red[2][K][1024 / WARP];
   warp_allreduce<WARP>(v);
-  if ((int)blockDim.x > WARP) {  // uniform over the block
-    gather_warps<WARP>(v, phase);
-    sum_warps<WARP>(v);
+  const int tpr = blockDim.x;
+  if (tpr > WARP) {  // uniform over the block
+    const int tid = threadIdx.y * tpr + threadIdx.x;
+    const int warp = tid / WARP, lane = tid % WARP;
+    const int nw = tpr / WARP;
+    if (lane == 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) red[phase & 1][k][warp] = v[k];
+    }
+    __syncthreads();
+    // The butterfly spans only the power of two of lanes that covers the nw warp sums (one step
+    // for a row of two warps, not WARP's five); each such group of lanes reads its own copy of
+    // the sums, so every lane gets the total. The steps left out added zeros: the same bits.
+    const int top = 1 << (31 - __clz(nw - 1));  // half that power of two
+    const int src = lane & (2 * top - 1);
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      v[k] = src < nw ? red[phase & 1][k][threadIdx.y * nw + src] : C(0);
+    for (int o = top; o > 0; o >>= 1) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+    }
   }
 }
 

@@ -31,37 +31,6 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
       const C v = (C)elem(p[k], j);
       s[0] += LN ? v : v * v;
     }
-  if constexpr (LN && FULL && !CHUNKED) {
-    if ((int)blockDim.x > WARP) {  // uniform over the block
-      // One barrier instead of two: every warp holds WARP * NPT * VEC elements of the row (a
-      // power of two), takes their exact two-pass statistics with shuffles, and the warps'
-      // (sum, centred sum of squares) are merged after one exchange by Chan's formula for equal
-      // counts: m2 = sum of the warps' m2 + count * sum of (warp mean - mean)^2.
-      constexpr C wn = C(WARP * NPT * VEC);
-      warp_allreduce<WARP>(s);
-      const C wm = s[0] * (C(1) / wn);
-      C w[2] = {s[0], C(0)};
-#pragma unroll
-      for (int k = 0; k < NPT; ++k)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const C d = (C)elem(p[k], j) - wm;
-          w[1] += d * d;
-        }
-      C q[1] = {w[1]};
-      warp_allreduce<WARP>(q);
-      w[1] = q[0];
-      const bool have = gather_warps<WARP>(w, phase);
-      C t[1] = {w[0]};
-      sum_warps<WARP>(t);
-      mean = t[0] * inv_cnt;
-      const C d = w[0] * (C(1) / wn) - mean;
-      t[0] = have ? w[1] + wn * d * d : C(0);
-      sum_warps<WARP>(t);
-      m2 = t[0];
-      return;
-    }
-  }
   // Consecutive calls alternate the reduction buffers: LayerNorm calls twice per chunk (2p and
   // 2p + 1), RMSNorm once (p). racecheck found RMSNorm at 2p (always the same buffer) racing.
   row_allreduce<WARP>(s, LN ? 2 * phase : phase);
