@@ -330,19 +330,22 @@ def test_parameters_loaded_with_the_row_or_after(plans, op, M, N, dt, wdt, has_b
 def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
     """LayerNorm rows whose length is a multiple of the block's chunk run the forward variant
     without per-column tests (FWD_FULL): the planner takes it exactly there, it matches the
-    reference, and it gives bitwise what the tested kernel gives (the same arithmetic)."""
+    reference, also far from zero (a mean 1000 times the spread), and it gives bitwise what the
+    tested kernel gives (the same arithmetic)."""
     x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
     x, g = cp.asarray(x_h), cp.asarray(g_h)
     b = None if b_h is None else cp.asarray(b_h)
     plans.spy("fwd")
     out = {}
-    for full in (True, False):
+    for full in (False, True):
         plans.replan(FWD_FULL=full)
         out[full] = cupyln.layer_norm_fwd(x, g, b)
         (plan,) = plans
         multiple = N % (plan.block[0] * plan.spec.npt * plan.spec.vec) == 0
         assert plan.variant.endswith("_full") == (full and multiple), plan.variant
         check_case("ln", x_h, dy_h, g_h, b_h)
+    far = (x_h.astype(np.float64) + 1000 * x_h.astype(np.float64).std()).astype(dt)
+    check_case("ln", far, dy_h, g_h, b_h)  # FWD_FULL on
     for a, c in zip(out[True], out[False], strict=True):
         assert cp.array_equal(a, c)
 
