@@ -24,6 +24,8 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _param_dtype, _span
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
+# Rows of at most a warp are stacked in blocks of FWD_SHORT_BLOCK threads.
+FWD_SHORT_BLOCK = 128
 # Forward with small M (one vector per thread fills at most FWD_SMALL_M_FILL of the GPU's thread
 # slots): one vector per thread, so rows get more threads and each thread a shorter chain, and
 # the kernel loads gamma/beta with the row, before its reductions (NPT = 1). Nsight Compute kernel
@@ -157,14 +159,15 @@ class Geometry(NamedTuple):
     fits: bool  # the whole row is one chunk in registers
 
 
-def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
+def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block, short_block=None):
     """How a row of ``nvec`` vectors maps onto threads.
 
     Each thread keeps ``npt`` independent vector loads in flight: the smallest power of two from
     ``npt_min`` that lets the row fit in ``tpr_max`` threads, at most ``npt_max``. The threads of
     a row are a power of two up to a warp (several rows then share a warp, reducing with
     shuffles only) or whole warps up to ``tpr_max``; rows longer than ``tpr_max * npt_max``
-    vectors are processed in chunks. Rows are stacked in blockDim.y up to ``block`` threads.
+    vectors are processed in chunks. Rows are stacked in blockDim.y up to ``block`` threads, or
+    ``short_block`` (when given) for rows of at most a warp.
     """
     npt = npt_min
     while npt < npt_max and _cdiv(nvec, npt) > tpr_max:
@@ -175,6 +178,7 @@ def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block):
         npt = max(1, min(npt, _pow2_ceil(nvec) // 4))
         tpr = _pow2_ceil(_cdiv(nvec, npt))
         npt = min(npt, _pow2_ceil(_cdiv(nvec, tpr)))
+        block = short_block or block
     else:
         tpr = _round_up(tpr, warp)
     fits = tpr <= tpr_max
@@ -299,10 +303,11 @@ def _kinds(args, dtype):
 @functools.cache
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
-    g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK)
+    g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK,
+                     FWD_SHORT_BLOCK)
     if FWD_SMALL_M:
         g1 = row_geometry(N // vec, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
-                          FWD_BLOCK)
+                          FWD_BLOCK, FWD_SHORT_BLOCK)
         small = M * g1.tpr * FWD_SMALL_NPT <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
         if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
             g = g1

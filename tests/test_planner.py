@@ -12,11 +12,12 @@ WARPS = st.sampled_from([32, 64])
 
 @given(st.integers(1, 1 << 21), WARPS, st.integers(0, 1 << 22), st.integers(0, 400))
 def test_row_geometry_covers_the_row_with_whole_warps(nvec, warp, M, blocks):
-    for npt_min, npt_max, tpr_max, block in (
-        (_launch.FWD_NPT_MIN, _launch.FWD_NPT, _launch.FWD_TPR_MAX, _launch.FWD_BLOCK),
-        (_launch.BWD_NPT_MIN, _launch.BWD_NPT, _launch.BWD_TPR_MAX, _launch.BWD_BLOCK),
+    for npt_min, npt_max, tpr_max, block, short in (
+        (_launch.FWD_NPT_MIN, _launch.FWD_NPT, _launch.FWD_TPR_MAX, _launch.FWD_BLOCK,
+         _launch.FWD_SHORT_BLOCK),
+        (_launch.BWD_NPT_MIN, _launch.BWD_NPT, _launch.BWD_TPR_MAX, _launch.BWD_BLOCK, None),
     ):
-        g = _launch.row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block)
+        g = _launch.row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block, short)
         if M:
             g = _launch._spread(g, M, warp, blocks)
         assert g.npt & (g.npt - 1) == 0 and 1 <= g.npt <= npt_max
