@@ -24,8 +24,11 @@ from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, _param_dtype, _span
 # Forward: 4 vectors per thread in flight; blocks of one row unless rows are short (measured on
 # the H200 with benchmarks/tune.py: stacking long rows in one block costs 5-15%).
 FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK = 4, 4, 1024, 128
-# Rows of at most a warp are stacked in blocks of FWD_SHORT_BLOCK threads.
-FWD_SHORT_BLOCK = 128
+# Rows of at most a warp are stacked in blocks of FWD_SHORT_BLOCK threads. S13-4 (tune.py, us,
+# means of four interleaved rounds, 128 / 256): 4096x1024 f16 9.90 / 9.68, bf16 9.95 / 9.65,
+# RMSNorm 9.65 / 9.43, RMSNorm 131072x64 14.40 / 14.28; 8192x768 13.13 / 13.13, LayerNorm
+# 131072x64 14.90 / 14.95 (S13-3: 512 as 256, 1024 slower on every short-row shape).
+FWD_SHORT_BLOCK = 256
 # Forward with small M (one vector per thread fills at most FWD_SMALL_M_FILL of the GPU's thread
 # slots): one vector per thread, so rows get more threads and each thread a shorter chain, and
 # the kernel loads gamma/beta with the row, before its reductions (NPT = 1). Nsight Compute kernel
