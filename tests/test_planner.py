@@ -18,6 +18,8 @@ def test_row_geometry_covers_the_row_with_whole_warps(nvec, warp, M, blocks):
         (_launch.BWD_NPT_MIN, _launch.BWD_NPT, _launch.BWD_TPR_MAX, _launch.BWD_BLOCK, None),
     ):
         g = _launch.row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block, short)
+        if g.tpr <= warp:  # rows within a warp fill the block for short rows
+            assert g.tpr * g.rpb == (short or block)
         if M:
             g = _launch._spread(g, M, warp, blocks)
         assert g.npt & (g.npt - 1) == 0 and 1 <= g.npt <= npt_max
