@@ -2,7 +2,8 @@
 # One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
 # Logs go to $OUT/logs.tgz (the device tool returns at most 8 files), results beside it; a short
 # table is printed last. Usage (on the device machine):
-#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all),
+#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all;
+#   TESTS_K="expr" runs only the GPU tests pytest -k selects),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
@@ -30,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 run() {  # name, command...
   local name=$1; shift
   local t0=$(date +%s)
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout "${STAGE_TIMEOUT:-0}" "$@" >"$OUT/$name.log" 2>&1  # STAGE_TIMEOUT (s): 0 for none
   local rc=$?
   local last
   last=$(grep -E "passed|failed|error|ERROR SUMMARY|GPU\(s\)" "$OUT/$name.log" | tail -n 1)
@@ -39,7 +40,8 @@ run() {  # name, command...
 
 for s in $stages; do
   case $s in
-    tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider tests/test_gpu.py tests/test_notebooks.py ;;
+    tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
+             tests/test_gpu.py tests/test_notebooks.py ;;
     fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
             run fuzz python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fuzz ;;
     big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu.py ;;

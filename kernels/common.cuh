@@ -464,6 +464,16 @@ __device__ __forceinline__ void st_async1(unsigned int a, double v, unsigned int
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f64 [%0], %1, [%2];"
                ::"r"(a), "d"(v), "r"(bar) : "memory");
 }
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into this
+// block's shared memory at `dst` by the copy engine (one instruction for a whole row, no
+// registers held while it is in flight), completing that many bytes of a transaction on the
+// mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(unsigned int dst, const void* src, unsigned int bytes,
+                                          unsigned int bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 #endif
 
 // Column sums over the XC blocks of a cluster (CUDA sm_90 on), in rank order: column c of
