@@ -448,6 +448,17 @@ __device__ __forceinline__ void mbarrier_wait(unsigned int bar, unsigned int par
         " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
+// The same wait with acquire at block scope, for bytes that only this block's own copies bring
+// (the bulk forward rows). The cluster-scope acquire above compiles to an invalidation of the
+// whole L1 (CCTL.IVALL in the SASS) after each wait.
+__device__ __forceinline__ void mbarrier_wait_cta(unsigned int bar, unsigned int parity) {
+  unsigned int done = 0;
+  do {
+    asm volatile(
+        "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
 __device__ __forceinline__ void st_async2(unsigned int a, float v0, float v1, unsigned int bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
                ::"r"(a), "f"(v0), "f"(v1), "r"(bar) : "memory");

@@ -211,7 +211,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       } else if constexpr (BULK) {  // one row per block: phase counts the block's rows
         const unsigned int b = (unsigned int)phase % nbuf;
 #if CLN_CLUSTERS
-        mbarrier_wait(bulk_bar + 8 * b, ((unsigned int)phase / nbuf) & 1u);
+        mbarrier_wait_cta(bulk_bar + 8 * b, ((unsigned int)phase / nbuf) & 1u);
 #endif
         const P* src = reinterpret_cast<const P*>(cl_smem + b * row_bytes) + threadIdx.x;
 #pragma unroll
