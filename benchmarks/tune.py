@@ -39,8 +39,7 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
 # Each configuration: the kernel source and planner constants of _launch (the others keep the
 # module's values).
 FWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", FWD_STAGE="always"), dict(SOURCE="current", FWD_STAGE="never"),
-    dict(SOURCE="current", FWD_BULK="never"), dict(SOURCE="current", FWD_BULK="always")]
+    dict(SOURCE="current", FWD_STAGE="always"), dict(SOURCE="current", FWD_STAGE="never")]
 BWD = [dict(SOURCE=s) for s in SOURCES] + [
     dict(SOURCE="current", BWD_STAGE="never"), dict(SOURCE="current", BWD_CLUSTER=False),
     dict(SOURCE="current", CLUSTER_NPT=1)]

@@ -52,24 +52,19 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
             ln = "true" if self.is_ln else "false"
-            # the template's STAGE: 0 direct loads, 1 staged rows (cp.async), 2 bulk rows
-            names = {"fwd": f"norm_fwd<{a}, 0, false, false>",
-                     "fwd_staged": f"norm_fwd<{a}, 1, false, false>",
+            names = {"fwd": f"norm_fwd<{a}, false, false, false>",
+                     "fwd_staged": f"norm_fwd<{a}, true, false, false>",
                      "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
-            # bulk rows (a ring of whole rows, each one bulk copy; FULL rows of 16-byte packs,
-            # CUDA sm_90: the planner's rule, FWD_BULK)
-            if self.npt > 1 and self.vec * self.dtype.itemsize == 16:
-                names["fwd_bulk"] = f"norm_fwd<{a}, 2, false, true>"
             # gamma/beta loaded with the row (one vector per thread: "fwd" does already). Built
             # for 4-byte and wider types only: 2-byte ones spilled and lost everywhere (S10-1).
             if self.npt > 1 and self.dtype.itemsize >= 4:
-                names["fwd_early"] = f"norm_fwd<{a}, 0, true, false>"
+                names["fwd_early"] = f"norm_fwd<{a}, false, true, false>"
             # LayerNorm rows whose length is a multiple of the chunk: no column tests ("_full"
             # variants; RMSNorm lost 0.2-0.7% without them, S12-9)
             if self.is_ln:
-                names["fwd_full"] = f"norm_fwd<{a}, 0, false, true>"
+                names["fwd_full"] = f"norm_fwd<{a}, false, false, true>"
                 if "fwd_early" in names:
-                    names["fwd_early_full"] = f"norm_fwd<{a}, 0, true, true>"
+                    names["fwd_early_full"] = f"norm_fwd<{a}, false, true, true>"
             return names
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}

@@ -58,13 +58,6 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
-# Bulk forward rows (CUDA sm_90; the kernel's STAGE 2, "fwd_bulk"): a grid of the resident blocks,
-# each keeping a ring of up to FWD_BULK_ROWS whole rows in shared memory (as many as fit), each
-# row one bulk copy by the copy engine: rows stay in flight through the reductions, with no
-# registers held and no per-thread copies. For one row of whole warps per block that fills the
-# chunk (FULL: nothing past N) in 16-byte packs. "auto": where rows are at least
-# FWD_BULK_MIN_BYTES (see plan_fwd); "always" / "never": tests, tuning.
-FWD_BULK, FWD_BULK_ROWS, FWD_BULK_MIN_BYTES = "auto", 3, 16384
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
 # two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves)
@@ -336,28 +329,12 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             main, smem = "fwd_staged", stage
             grid = (min(_cdiv(M, g.rpb), resident),)
-    bulk = _bulk_rows(info, dtype, N, vec, g, kerns)
-    if bulk and _stages(FWD_BULK, N * dtype.itemsize >= FWD_BULK_MIN_BYTES):
-        main, block, smem = "fwd_bulk", (g.tpr, 1), bulk
-        resident = info.sms * _blocks_per_sm(kerns[main], g.tpr, smem, info)
-        grid = (min(M, resident),)
     if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
         main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
     if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"  # every thread's vectors lie in the row (see FWD_FULL)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
-
-
-def _bulk_rows(info, dtype, N, vec, g, kerns):
-    """Dynamic shared memory of the bulk forward's ring of rows (FWD_BULK_ROWS, or as many as
-    one block can hold), or 0 where the kernel's rule rules it out: CUDA sm_90, a module that
-    builds it (16-byte packs), one chunk of whole warps that the row fills exactly."""
-    row = N * dtype.itemsize
-    rows = min(FWD_BULK_ROWS, (info.smem_per_sm - 1024) // row)
-    can = ("fwd_bulk" in kerns and info.clusters and g.fits and g.tpr > info.warp
-           and N == g.tpr * g.npt * vec and rows >= 1)
-    return rows * row if can else 0
 
 
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):

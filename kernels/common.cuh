@@ -448,17 +448,6 @@ __device__ __forceinline__ void mbarrier_wait(unsigned int bar, unsigned int par
         " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
-// The same wait with acquire at block scope, for bytes that only this block's own copies bring
-// (the bulk forward rows). The cluster-scope acquire above compiles to an invalidation of the
-// whole L1 (CCTL.IVALL in the SASS) after each wait.
-__device__ __forceinline__ void mbarrier_wait_cta(unsigned int bar, unsigned int parity) {
-  unsigned int done = 0;
-  do {
-    asm volatile(
-        "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
-}
 __device__ __forceinline__ void st_async2(unsigned int a, float v0, float v1, unsigned int bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
                ::"r"(a), "f"(v0), "f"(v1), "r"(bar) : "memory");
@@ -474,16 +463,6 @@ __device__ __forceinline__ void st_async1(unsigned int a, float v, unsigned int 
 __device__ __forceinline__ void st_async1(unsigned int a, double v, unsigned int bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f64 [%0], %1, [%2];"
                ::"r"(a), "d"(v), "r"(bar) : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into this
-// block's shared memory at `dst` by the copy engine (one instruction for a whole row, no
-// registers held while it is in flight), completing that many bytes of a transaction on the
-// mbarrier `bar`.
-__device__ __forceinline__ void bulk_copy(unsigned int dst, const void* src, unsigned int bytes,
-                                          unsigned int bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 #endif
 

@@ -4,9 +4,8 @@
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
 // chunk. When the row is one chunk (the common case) x is read from memory once; longer rows
 // are read twice (statistics, then output). Where blocks loop over rows, the staged variant
-// (STAGE 1, CUDA sm_80 on) copies each block's next rows into shared memory while it reduces and
-// writes these, as the backward does; the bulk variant (STAGE 2, sm_90) keeps a ring of whole
-// rows in flight, each one bulk copy of the copy engine. Statistics are exact per chunk (sum, then centered
+// (STAGE, CUDA sm_80 on) copies each block's next rows into shared memory while it reduces and
+// writes these, as the backward does. Statistics are exact per chunk (sum, then centered
 // sum of squares) and merged across chunks with Chan's formula: never E[x^2] - E[x]^2.
 #include "common.cuh"
 
@@ -63,13 +62,6 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
-// The bulk forward's row buffers (STAGE 2): at most BULK_MAX, one mbarrier each.
-constexpr unsigned int BULK_MAX = 8;
-template <unsigned int K> __device__ __forceinline__ unsigned long long* bulk_barriers() {
-  __shared__ unsigned long long bars[K];
-  return bars;
-}
-
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
 // they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
 template <bool HELD, int VEC, int NPT, bool FULL, typename T, typename W, typename C, typename R,
@@ -119,7 +111,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // for the output). FULL (the planner's choice where N is a multiple of the chunk, direct rows of
 // one chunk): every thread's vectors lie below N, so the loads, the centred pass and the stores
 // test no column (fewer instructions and registers: see FWD_FULL in _launch.py).
-template <bool CHUNKED, int STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
+template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
           int NPT, int WARP, bool FULL = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
@@ -143,48 +135,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   // memory, given by the host (_launch.py); a launch with less traps. Each thread reads back
   // only the slots it copied, so no barrier is added.
   typedef Pack<T, VEC> P;
-  constexpr bool STAGED = STAGE == 1 && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
-  // Bulk rows (STAGE 2; the planner's rule: sm_90, one FULL row of whole warps per block,
-  // 16-byte packs): a ring of `nbuf` row buffers in dynamic shared memory (as many as the launch
-  // gave, at most BULK_MAX), each filled by one bulk copy that thread 0 issues and counted on
-  // the buffer's own mbarrier. The row in shared memory is laid out as the threads own it (pack
-  // k * tpr + t), so each thread reads its own packs back after the wait. A buffer is filled
-  // again, with the row nbuf rows on, once the row's reductions have passed their barriers
-  // (rows of several warps), so after every thread has read it. Elsewhere (HIP, before sm_90)
-  // STAGE 2 loads directly.
-  constexpr bool BULK = STAGE == 2 && !CHUNKED && CLN_CLUSTERS && sizeof(P) == 16;
-  static_assert(STAGE != 2 || FULL, "bulk rows hold no zeros past N: FULL rows only");
+  constexpr bool STAGED = STAGE && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
   extern __shared__ __align__(16) unsigned char cl_smem[];
   P* stage = reinterpret_cast<P*>(cl_smem);
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const unsigned int row_bytes = (unsigned int)(chunk * (cl_i64)sizeof(T));
-  unsigned int nbuf = 1, bulk_smem = 0, bulk_bar = 0;
-  auto bulk_issue = [&](cl_i64 row, unsigned int b) {
-#if CLN_CLUSTERS
-    if (row < M) {
-      mbarrier_expect(bulk_bar + 8 * b, row_bytes);
-      bulk_copy(bulk_smem + b * row_bytes, x + row * ldx, row_bytes, bulk_bar + 8 * b);
-    }
-#endif
-  };
-  if constexpr (BULK) {
-    unsigned int have;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    nbuf = have / row_bytes < BULK_MAX ? have / row_bytes : BULK_MAX;
-    if (nbuf == 0 || blockDim.y != 1) cl_trap();
-#if CLN_CLUSTERS
-    bulk_smem = smem_addr(cl_smem);
-    bulk_bar = smem_addr(bulk_barriers<BULK_MAX>());
-    if (threadIdx.x == 0) {
-      for (unsigned int b = 0; b < nbuf; ++b) mbarrier_init(bulk_bar + 8 * b);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
-    __syncthreads();  // the mbarriers are ready before anyone waits on them
-    if (threadIdx.x == 0)
-      for (unsigned int b = 0; b < nbuf; ++b) bulk_issue(blockIdx.x + (cl_i64)b * gridDim.x, b);
-  }
   auto prefetch = [&](cl_i64 row, int b) {
     if constexpr (STAGED) {
       const bool ok = row < M;
@@ -208,14 +163,6 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
         for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
-      } else if constexpr (BULK) {  // one row per block: phase counts the block's rows
-        const unsigned int b = (unsigned int)phase % nbuf;
-#if CLN_CLUSTERS
-        mbarrier_wait_cta(bulk_bar + 8 * b, ((unsigned int)phase / nbuf) & 1u);
-#endif
-        const P* src = reinterpret_cast<const P*>(cl_smem + b * row_bytes) + threadIdx.x;
-#pragma unroll
-        for (int k = 0; k < NPT; ++k) to_row(src[k * blockDim.x], p[k]);
       } else {
         load_row<VEC, NPT, FULL>(xr, (cl_i64)c * chunk, N, valid, p);
       }
@@ -225,8 +172,6 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       }
       chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL>(p, (cl_i64)c * chunk, N, chunk, phase,
                                                      inv_n, n, mean, m2);
-      // past the reductions' barriers every thread has read this row's buffer: refill it
-      if (BULK && threadIdx.x == 0) bulk_issue(row + nbuf * step, (unsigned int)phase % nbuf);
     }
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
@@ -248,7 +193,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
       cl_i64 N, typename Acc<T>::type eps
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int STAGE, bool EARLY,
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
           bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
   fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
@@ -258,6 +203,6 @@ __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
-  fwd_rows<true, 0, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
+  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
                                                        M, N, eps);
 }

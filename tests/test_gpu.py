@@ -272,8 +272,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
     plans.spy(pass_)
     out, grids = {}, {}
     for mode in ("always", "never"):
-        # (FWD_BULK off: its rows would replace the staged ones; test_bulk_rows below)
-        plans.replan(**{f"{pass_.upper()}_STAGE": mode}, FWD_BULK="never")
+        plans.replan(**{f"{pass_.upper()}_STAGE": mode})
         x, dy, g = (cp.asarray(a) for a in case[:3])
         if op == "ln":
             fwd = cupyln.layer_norm_fwd(x, g, None)
@@ -292,44 +291,6 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
     same_order = pass_ == "fwd" or grids["always"] == grids["never"]
     for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
         assert cp.array_equal(a, b) or (i > 0 and not same_order), i
-
-
-@pytest.mark.parametrize("op", ["ln", "rms"])
-@pytest.mark.parametrize("M,N,dt,wdt,rows", [
-    (5000, 2048, F16, F16, 3), (3001, 4096, BF16, F32, 3), (700, 8192, F16, F32, 3),
-    (513, 16384, F16, F16, 3), (300, 32768, F16, F16, 3),  # 1024-thread rows of 64 KiB
-    (200, 16384, F32, F32, 2), (133, 8192, F64, F64, 1),  # one buffer: no overlap, still right
-    (5, 16384, BF16, BF16, 3),  # fewer rows than blocks
-    (2000, 4096, F16, F16, 8),  # the most buffers; the ring wraps many times
-])
-@pytest.mark.parametrize("has_b", [True, False])
-def test_bulk_rows(plans, op, M, N, dt, wdt, rows, has_b):
-    """The forward's bulk rows (a ring of whole rows in shared memory, each one bulk copy; CUDA
-    sm_90) against direct loads: the planner takes them exactly where the device has them, they
-    match the reference, also far from zero, and agree bitwise with the direct kernel (the same
-    arithmetic in the same order)."""
-    from cupyln import _launch
-
-    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b and op == "ln")
-    x, g = cp.asarray(x_h), cp.asarray(g_h)
-    b = None if b_h is None else cp.asarray(b_h)
-    plans.spy("fwd")
-    out = {}
-    for mode in ("always", "never"):
-        plans.replan(FWD_BULK=mode, FWD_BULK_ROWS=rows)
-        out[mode] = cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
-        (plan,) = plans
-        bulk = mode == "always" and _launch.device_info(x.device.id).clusters
-        assert (plan.variant == "fwd_bulk") == bulk, plan.variant
-        if bulk:
-            assert plan.block == (plan.block[0], 1) and plan.grid[0] <= M
-            assert plan.smem == min(rows, (227 * 1024) // (N * dt.itemsize)) * N * dt.itemsize
-        check_case(op, x_h, dy_h, g_h, b_h)
-    plans.replan(FWD_BULK="always", FWD_BULK_ROWS=rows)
-    far = (x_h.astype(np.float64) + 1000 * x_h.astype(np.float64).std()).astype(dt)
-    check_case(op, far, dy_h, g_h, b_h)
-    for a, c in zip(out["always"], out["never"], strict=True):
-        assert cp.array_equal(a, c)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -377,7 +338,7 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
     plans.spy("fwd")
     out = {}
     for full in (False, True):
-        plans.replan(FWD_FULL=full, FWD_BULK="never")  # (bulk rows are FULL rows of their own)
+        plans.replan(FWD_FULL=full)
         out[full] = cupyln.layer_norm_fwd(x, g, b)
         (plan,) = plans
         multiple = N % (plan.block[0] * plan.spec.npt * plan.spec.vec) == 0

@@ -153,17 +153,7 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
     chunk = plan.block[0] * plan.spec.npt * plan.spec.vec
     direct = base in ("fwd", "fwd_early")
-    assert plan.variant.endswith("_full") == (direct and N % chunk == 0) or base == "fwd_bulk"
-    # bulk rows (the mocked device has clusters) exactly where the module builds them, a row of
-    # whole warps fills its chunk, and it is long enough and fits in shared memory
-    row = N * plan.spec.dtype.itemsize
-    bulk = ("fwd_bulk" in built and plan.block[0] > warp and N == chunk
-            and _launch.FWD_BULK_MIN_BYTES <= row <= _SMEM_PER_SM - 1024)
-    assert (plan.variant == "fwd_bulk") == bulk
-    if bulk:  # one row per block, a ring of whole rows, the resident blocks at most
-        assert plan.block[1] == 1 and plan.smem % row == 0
-        assert plan.smem // row == min(_launch.FWD_BULK_ROWS, (_SMEM_PER_SM - 1024) // row)
-        assert plan.grid[0] <= min(M, 132 * (2048 // plan.block[0]))
+    assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 14),
