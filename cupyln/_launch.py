@@ -127,9 +127,6 @@ CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
-# Staged backward rows in flight per block: this one and BWD_DEPTH - 1 ahead (the kernels'
-# CLN_BWD_DEPTH must match: a launch with less shared memory traps).
-BWD_DEPTH = 2
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
 # argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
@@ -343,13 +340,13 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
     """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
     least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
-    (BWD_DEPTH buffers) and then gamma once per block (the backward, which passes ``wdtype``)."""
+    and then gamma once per block (the backward, which passes ``wdtype``)."""
     pack = vec * dtype.itemsize
     if not info.async_copy or pack < 4:
         return 0
     if wdtype is None:
         return npt * tpr * 2 * pack * rpb
-    return npt * tpr * (2 * BWD_DEPTH * pack * rpb + vec * wdtype.itemsize)
+    return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
 
 
 def _stages(mode, rule):

@@ -32,11 +32,6 @@
       T *__restrict__ dx, W *__restrict__ dgamma, W *__restrict__ dbeta,                     \
       typename Acc<T>::type *__restrict__ accum, unsigned int *__restrict__ counter,          \
       typename Acc<T>::type *__restrict__ partial, cl_i64 M, cl_i64 N
-// Staged rows in flight: this one and CLN_BWD_DEPTH - 1 ahead (the planner's BWD_DEPTH sizes the
-// shared memory for it).
-#ifndef CLN_BWD_DEPTH
-#define CLN_BWD_DEPTH 2
-#endif
 #define CLN_BWD_ARGS \
   dy, lddy, x, ldx, gamma, mean, rstd, rowsums, dx, dgamma, dbeta, accum, counter, partial, M, N
 
@@ -65,7 +60,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // (chosen by the launch's shared memory) made both slower, 131072x4096 bf16 1190 us against
   // 957 staged and 1019 direct (S6-4: ptxas spilled 12 bytes in the loop).
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
-  constexpr int DEPTH = CLN_BWD_DEPTH;
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
   // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
@@ -94,9 +88,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + t;
   P* stage = reinterpret_cast<P*>(cl_smem);
-  G* gstage = reinterpret_cast<G*>(stage + 2 * DEPTH * NPT * threads);
+  G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
   if constexpr (STAGED) {
-    require_dynamic_smem(2u * DEPTH * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G));
+    require_dynamic_smem(4u * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G));
     if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
   }
   if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
@@ -123,25 +117,17 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       stats(row, mu, rs);
     }
   };
-  C mu_next[DEPTH - 1], rs_next[DEPTH - 1];  // the statistics of the rows in flight, in order
-#pragma unroll
-  for (int i = 0; i < DEPTH - 1; ++i)
-    prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y + i * step, i, mu_next[i], rs_next[i]);
+  C mu_next, rs_next;
+  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0, mu_next, rs_next);
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     C mu, rs;
     if constexpr (STAGED) {
-      mu = mu_next[0];
-      rs = rs_next[0];
-#pragma unroll
-      for (int i = 0; i + 1 < DEPTH - 1; ++i) {
-        mu_next[i] = mu_next[i + 1];
-        rs_next[i] = rs_next[i + 1];
-      }
-      prefetch(row + (DEPTH - 1) * step, (unsigned)(phase + DEPTH - 1) % DEPTH, mu_next[DEPTH - 2],
-               rs_next[DEPTH - 2]);
+      mu = mu_next;
+      rs = rs_next;
+      prefetch(row + step, (phase + 1) & 1, mu_next, rs_next);
     } else {
       stats(row, mu, rs);
     }
@@ -149,9 +135,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     {
       P px[NPT], pdy[NPT];
       if constexpr (STAGED) {
-        async_wait<DEPTH - 1>();  // this row's group has landed; the next rows' stay in flight
+        async_wait<1>();  // this row's group has landed; the next row's stays in flight
         if (phase == 0) __syncthreads();  // gamma, copied by row 0's threads, for every row
-        const P* src = stage + (unsigned)phase % DEPTH * 2 * NPT * threads + tid;
+        const P* src = stage + (phase & 1) * 2 * NPT * threads + tid;
 #pragma unroll
         for (int k = 0; k < NPT; ++k) {
           px[k] = src[k * threads];
