@@ -51,6 +51,7 @@ FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_NPT = True, 1.0, 1
 # the benchmark) RMSNorm takes 521.3 us instead of 556.7, LayerNorm 534.9 instead of 556.7
 # (S5-6; 256: 532.8 / 534.9; two rows per 256-thread block at cap 256: 521.9 / 539.6).
 FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
+FWD_RESIDENT = False
 # Staged forward rows (cp.async, as BWD_STAGE below; a grid of the resident blocks, each looping
 # over rows). "auto" stages where only one block of the direct kernel fits on an SM, so no other
 # block's loads overlap its reductions: 4096x32768 f16 150.0 us against 172.7 direct. Where
@@ -329,6 +330,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             main, smem = "fwd_staged", stage
             grid = (min(_cdiv(M, g.rpb), resident),)
+    if FWD_RESIDENT and main == "fwd":  # (S15-2 experiment) the resident blocks, looping
+        grid = (min(grid[0], info.sms * _blocks_per_sm(kerns[main], g.tpr * g.rpb, 0, info)),)
     if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
         main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
     if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
