@@ -51,7 +51,6 @@ FWD_SMALL_M, FWD_SMALL_M_FILL, FWD_SMALL_NPT = True, 1.0, 1
 # the benchmark) RMSNorm takes 521.3 us instead of 556.7, LayerNorm 534.9 instead of 556.7
 # (S5-6; 256: 532.8 / 534.9; two rows per 256-thread block at cap 256: 521.9 / 539.6).
 FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
-FWD_RESIDENT = False
 # Staged forward rows (cp.async, as BWD_STAGE below; a grid of the resident blocks, each looping
 # over rows). "auto" stages where only one block of the direct kernel fits on an SM, so no other
 # block's loads overlap its reductions: 4096x32768 f16 150.0 us against 172.7 direct. Where
@@ -128,6 +127,14 @@ CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
+# Staged backward rows taken dynamically (a ticket counter; kernels/norm_bwd.cu, bwd_rows) where
+# dgamma/dbeta need not be bitwise repeatable (deterministic=False): which block sums which
+# rows then depends on timing. S15-4 (tune.py, us, static / dynamic, two rounds): 16384x8192
+# bf16 222.1, 222.9 / 218.5, 219.6, RMSNorm 220.8, 220.9 / 216.3, 217.7, 131072x4096 874.1,
+# 872.5 / 859.1, 858.6; 4096x4096, 4096x8192 and 4096x1024 f16 within the rounds' spread.
+# Rows within a warp (no block barrier per row) and grids of 2^31 groups of rows or more keep
+# static rows. False: static rows everywhere (tests, tuning).
+BWD_DYNAMIC = True
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
 # argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
@@ -283,14 +290,16 @@ def _blocks_per_sm(kern, threads, smem, info):
 class Plan:
     """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
 
-    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch")
+    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch", "dynamic")
 
-    def __init__(self, spec, variant, kern, grid, block, smem, launch):
+    def __init__(self, spec, variant, kern, grid, block, smem, launch, dynamic=False):
         self.spec = spec
         # the pass's main kernel: its name in the module (see Spec.names), its RawKernel
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
+        # staged backward rows taken from a ticket counter, where not deterministic (BWD_DYNAMIC)
+        self.dynamic = dynamic
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
@@ -330,8 +339,6 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             main, smem = "fwd_staged", stage
             grid = (min(_cdiv(M, g.rpb), resident),)
-    if FWD_RESIDENT and main == "fwd":  # (S15-2 experiment) the resident blocks, looping
-        grid = (min(grid[0], info.sms * _blocks_per_sm(kerns[main], g.tpr * g.rpb, 0, info)),)
     if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
         main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
     if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
@@ -432,7 +439,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    return Plan(spec, main, kerns[main], grid, block, smem, launch)
+    dynamic = (BWD_DYNAMIC and main == "bwd_staged" and block[0] > info.warp
+               and _cdiv(M, block[1]) < 2**31)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch, dynamic)
 
 
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
@@ -702,8 +711,8 @@ class _HotBwd:
     __slots__ = ("dev", "launch", "layout", "given", "want", "consts", "xmask", "wmask",
                  "atomic", "counted", "acc_bytes", "ext", "rowsums", "partial", "scratch_only")
 
-    def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
-                 M, N):
+    def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
+                 ldx, lddy, M, N):
         acc = ACC_DTYPES[plan.spec.dtype]
         parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
         self.dev, self.want = dev, want
@@ -719,8 +728,9 @@ class _HotBwd:
         params = (want[1] or want[2]) and plan.variant != "bwd_csum"
         self.atomic = params and not partials
         # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
-        # where the plan has no reduction kernel
-        self.counted = self.atomic or (params and "reduce" not in plan.launch)
+        # where the plan has no reduction kernel; dynamic rows take their tickets from the
+        # counter after it
+        self.counted = self.atomic or (params and "reduce" not in plan.launch) or dynamic
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
                    "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
@@ -776,15 +786,16 @@ class _HotBwd:
 
 
 _NONE3 = (None, None, None)
-_ACC_OFFSET = 256  # the counter, then the sums (256-byte aligned)
+_ACC_OFFSET = 256  # the counters (the last block's, the rows' tickets), then the sums (aligned)
 _SCRATCH = {}  # (device, stream) -> zeroed memory of the flushes by the last block
 
 
 def _atomic_scratch(dev, stream, nbytes, own):
-    """Address of ``nbytes`` of zeroed memory (a ticket counter, then the atomic flush's sums)
-    for a backward whose last block flushes, on ``stream``. The kernel leaves it zeroed again,
-    so launches on one stream (which run in order) share one; launches on other streams, which
-    may run at the same time, have their own. A call being captured into a CUDA graph uses
+    """Address of ``nbytes`` of zeroed memory (ticket counters, then the atomic flush's sums)
+    for a backward whose last block flushes or whose rows are dynamic, on ``stream``. The
+    kernel leaves it zeroed again, so launches on one stream (which run in order) share one;
+    launches on other streams, which may run at the same time, have their own. A call being
+    captured into a CUDA graph uses
     ``own`` (the address of its own scratch), zeroed by a memset captured with it: the graph may
     be replayed on any stream."""
     if _is_capturing(stream):
@@ -891,8 +902,9 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
         partials = deterministic or not ATOMIC_FLUSH
+        dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
-                       ldx, lddy, M, N)
+                       dynamic, ldx, lddy, M, N)
         if remember is not None and as_is:
             remember(hot)
         return hot(dyr, xr, g2, m2, r2, out)
