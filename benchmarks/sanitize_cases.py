@@ -1,10 +1,11 @@
 """Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
 
 Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
-staged rows (cp.async) and direct loads, for short rows (several per block), block rows, and
-long rows (clusters of column tiles, or row sums + column tiles), and few rows (one cluster that
-sums dgamma/dbeta, or the last block summing the partials); LayerNorm and RMSNorm. Exits
-non-zero when an output misses the reference tolerance.
+staged rows (cp.async; backward rows static or from tickets) and direct loads, for short rows
+(several per block), block rows, and long rows (clusters of column tiles, or row sums + column
+tiles), and few rows (one cluster that sums dgamma/dbeta, or the last block summing the
+partials); LayerNorm and RMSNorm. Exits non-zero when an output misses the reference
+tolerance.
 """
 
 import sys
@@ -26,6 +27,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 600, 4096, "bfloat16", None),      # medium
     ("rmsnorm", 600, 4096, "float16", "float32"),
     ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
+    ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
 ]
 

@@ -127,6 +127,14 @@ CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
+# Staged backward rows taken dynamically (a ticket counter; kernels/norm_bwd.cu, bwd_rows) where
+# dgamma/dbeta need not be bitwise repeatable (deterministic=False): which block sums which
+# rows then depends on timing. S15-4 (tune.py, us, static / dynamic, two rounds): 16384x8192
+# bf16 222.1, 222.9 / 218.5, 219.6, RMSNorm 220.8, 220.9 / 216.3, 217.7, 131072x4096 874.1,
+# 872.5 / 859.1, 858.6; 4096x4096, 4096x8192 and 4096x1024 f16 within the rounds' spread.
+# Rows within a warp (no block barrier per row) and grids of 2^31 groups of rows or more keep
+# static rows. False: static rows everywhere (tests, tuning).
+BWD_DYNAMIC = True
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
 # argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
@@ -282,19 +290,21 @@ def _blocks_per_sm(kern, threads, smem, info):
 class Plan:
     """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
 
-    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch")
+    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch", "dynamic")
 
-    def __init__(self, spec, variant, kern, grid, block, smem, launch):
+    def __init__(self, spec, variant, kern, grid, block, smem, launch, dynamic=False):
         self.spec = spec
         # the pass's main kernel: its name in the module (see Spec.names), its RawKernel
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
+        # staged backward rows taken from a ticket counter, where not deterministic (BWD_DYNAMIC)
+        self.dynamic = dynamic
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
 _FWD_ARGS = "pipppppiiX"
-_BWD_ARGS = "pipippppppppppii"
+_BWD_ARGS = "pipipppppppppppii"
 _ROWSUMS_ARGS = "pipippppii"
 _REDUCE_ARGS = "piipp"
 
@@ -429,7 +439,9 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    return Plan(spec, main, kerns[main], grid, block, smem, launch)
+    dynamic = (BWD_DYNAMIC and main == "bwd_staged" and block[0] > info.warp
+               and _cdiv(M, block[1]) < 2**31)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch, dynamic)
 
 
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
@@ -697,10 +709,11 @@ class _HotFwd:
 
 class _HotBwd:
     __slots__ = ("dev", "launch", "layout", "given", "want", "consts", "xmask", "wmask",
-                 "atomic", "counted", "acc_bytes", "ext", "rowsums", "partial", "scratch_only")
+                 "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
+                 "partial", "scratch_only")
 
-    def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, ldx, lddy,
-                 M, N):
+    def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
+                 ldx, lddy, M, N):
         acc = ACC_DTYPES[plan.spec.dtype]
         parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
         self.dev, self.want = dev, want
@@ -716,8 +729,11 @@ class _HotBwd:
         params = (want[1] or want[2]) and plan.variant != "bwd_csum"
         self.atomic = params and not partials
         # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
-        # where the plan has no reduction kernel
-        self.counted = self.atomic or (params and "reduce" not in plan.launch)
+        # where the plan has no reduction kernel; dynamic rows take their tickets from a
+        # counter after that one
+        self.flushed = self.atomic or (params and "reduce" not in plan.launch)
+        self.dynamic = dynamic
+        self.counted = self.flushed or dynamic
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
                    "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
@@ -760,28 +776,33 @@ class _HotBwd:
         if rsp:
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = 0 if self.partial is None else base + self.partial
-        cnt = ap = 0
+        cnt = ap = tk = 0
         if self.counted:
-            cnt = _atomic_scratch(self.dev, stream, self.acc_bytes, base + own)
-            if self.atomic:  # float32 atomics into zeroed sums after the counter
-                ap = cnt + _ACC_OFFSET
-        launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, pp, M,
-                      N)
+            scratch = _atomic_scratch(self.dev, stream, self.acc_bytes, base + own)
+            if self.flushed:  # the last block's ticket counter
+                cnt = scratch
+            if self.atomic:  # float32 atomics into zeroed sums after the counters
+                ap = scratch + _ACC_OFFSET
+            if self.dynamic:  # the rows' ticket counter, after the last block's
+                tk = scratch + 4
+        launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk,
+                      pp, M, N)
         if pp and "reduce" in launch:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
 
 
 _NONE3 = (None, None, None)
-_ACC_OFFSET = 256  # the counter, then the sums (256-byte aligned)
+_ACC_OFFSET = 256  # the counters (the last block's, the rows' tickets), then the sums (aligned)
 _SCRATCH = {}  # (device, stream) -> zeroed memory of the flushes by the last block
 
 
 def _atomic_scratch(dev, stream, nbytes, own):
-    """Address of ``nbytes`` of zeroed memory (a ticket counter, then the atomic flush's sums)
-    for a backward whose last block flushes, on ``stream``. The kernel leaves it zeroed again,
-    so launches on one stream (which run in order) share one; launches on other streams, which
-    may run at the same time, have their own. A call being captured into a CUDA graph uses
+    """Address of ``nbytes`` of zeroed memory (ticket counters, then the atomic flush's sums)
+    for a backward whose last block flushes or whose rows are dynamic, on ``stream``. The
+    kernel leaves it zeroed again, so launches on one stream (which run in order) share one;
+    launches on other streams, which may run at the same time, have their own. A call being
+    captured into a CUDA graph uses
     ``own`` (the address of its own scratch), zeroed by a memset captured with it: the graph may
     be replayed on any stream."""
     if _is_capturing(stream):
@@ -888,8 +909,9 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         vec = _vec(x.dtype, N, (ldx, lddy), ptrs)
         plan = plan_bwd(dev, x.dtype, wdtype, mean is not None, M, N, vec)
         partials = deterministic or not ATOMIC_FLUSH
+        dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
-                       ldx, lddy, M, N)
+                       dynamic, ldx, lddy, M, N)
         if remember is not None and as_is:
             remember(hot)
         return hot(dyr, xr, g2, m2, r2, out)

@@ -13,6 +13,9 @@
 // Rows that fit in the blocks of one cluster at once (sm_90) run there instead (norm_bwd_csum):
 // the blocks sum dgamma/dbeta among themselves through distributed shared memory, in a fixed
 // order, with no scratch.
+// Staged blocks given a row ticket counter (`tickets`, zeroed; the host passes it where
+// dgamma/dbeta need not be bitwise repeatable) take their rows dynamically from it, so a fast
+// block takes more rows than a slow one; otherwise block b takes rows b, b + G, ... (bwd_rows).
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
 // after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
@@ -31,13 +34,17 @@
       const float *__restrict__ rstd, const typename Acc<T>::type *__restrict__ rowsums,     \
       T *__restrict__ dx, W *__restrict__ dgamma, W *__restrict__ dbeta,                     \
       typename Acc<T>::type *__restrict__ accum, unsigned int *__restrict__ counter,          \
-      typename Acc<T>::type *__restrict__ partial, cl_i64 M, cl_i64 N
+      unsigned int *__restrict__ tickets, typename Acc<T>::type *__restrict__ partial,        \
+      cl_i64 M, cl_i64 N
 #define CLN_BWD_ARGS \
-  dy, lddy, x, ldx, gamma, mean, rstd, rowsums, dx, dgamma, dbeta, accum, counter, partial, M, N
+  dy, lddy, x, ldx, gamma, mean, rstd, rowsums, dx, dgamma, dbeta, accum, counter, tickets, \
+      partial, M, N
 
 // CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
 // and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
 // LAST: the last block sums the partials of a grid of few blocks (see below).
+// tickets (staged rows only; its own argument, apart from the flush's `counter`, which the atomic
+// flush passes with static rows too): hands out the blocks' groups of rows, see below.
 // XC > 1: the grid is one cluster of XC blocks (gridDim.x == XC), which sum dgamma/dbeta through
 // distributed shared memory (ClusterSums); partial, accum and counter are then unused.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
@@ -119,15 +126,41 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   };
   C mu_next, rs_next;
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0, mu_next, rs_next);
+  // Dynamic rows (staged, given tickets; rows wider than a warp, whose reductions have a block
+  // barrier): block b of nb takes groups (of blockDim.y rows) b, b + nb, b + 2nb and b + 3nb,
+  // then group 4nb + t for each ticket t that thread 0 takes from tickets. A ticket taken in one
+  // iteration is stored into btick in the next, before its reduction barrier, and read by all
+  // after it: its round trip never holds up a row (stored in the same iteration, 16384x8192 bf16
+  // ran 13% slower than static rows, S15-3). btick's two slots alternate by row: a slot is
+  // written again two rows later, after the barrier every thread passes once it has read it.
+  // Why: static rows cannot follow SMs of different speeds (S15-4: 16384x8192 bf16 222.5 us
+  // static against 219.0 dynamic, 131072x4096 873 against 859). A block stops taking tickets
+  // after its first one past the last group, so a launch takes exactly groups - 3nb of them and
+  // atomicInc's wrap leaves the counter at 0 for the next launch.
+  const bool dyn = STAGED && CL == 1 && XC == 1 && tickets != nullptr;
+  if (dyn && blockDim.x <= WARP) cl_trap();
+  __shared__ unsigned int btick[2];
+  const unsigned int nb = gridDim.x;
+  const unsigned int groups = (unsigned int)((M + blockDim.y - 1) / blockDim.y);  // host: < 2^31
+  unsigned int nxt = blockIdx.x + nb, nxt2 = blockIdx.x + 2 * nb;  // the next two groups
+  unsigned int pending = blockIdx.x + 3 * nb, raw = 0;  // thread 0: the one after, a ticket
+  bool taken = false;  // thread 0: raw is a ticket taken in the previous iteration
   int phase = 0;
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     C mu, rs;
     if constexpr (STAGED) {
       mu = mu_next;
       rs = rs_next;
-      prefetch(row + step, (phase + 1) & 1, mu_next, rs_next);
+      prefetch(dyn ? (cl_i64)nxt * blockDim.y + threadIdx.y : row + step, (phase + 1) & 1,
+               mu_next, rs_next);
+      if (dyn && tid == 0) {
+        if (taken) pending = 4 * nb + raw;  // taken an iteration ago: it has arrived
+        btick[phase & 1] = pending;
+        taken = pending < groups;
+        if (taken) raw = atomicInc(tickets, groups - 3 * nb - 1);
+      }
     } else {
       stats(row, mu, rs);
     }
@@ -202,6 +235,14 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
         store_vec<VEC>(dxr + col, o);
       }
+    }
+    if (dyn) {  // after the row's reduction barrier: btick holds thread 0's group
+      const unsigned int later = btick[phase & 1];
+      base = (cl_i64)nxt * blockDim.y;
+      nxt = nxt2;
+      nxt2 = later;
+    } else {
+      base += step;
     }
   }
 

@@ -264,13 +264,13 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
     """Staged rows (cp.async into shared memory) against direct loads, forward and backward, on
     shapes either path can take: each matches the reference, and the two agree bitwise (the same
     arithmetic in the same order; the backward's dgamma/dbeta where both kernels get the same
-    grid, which sets the order of the partial sums)."""
+    grid, which sets the order of the partial sums, and the staged rows are not dynamic)."""
     from cupyln import _launch
 
     dt, wdt = PAIRS[(M + N) % len(PAIRS)]
     case = inputs(M, N, dt, wdt)
     plans.spy(pass_)
-    out, grids = {}, {}
+    out, grids, dynamic = {}, {}, False
     for mode in ("always", "never"):
         plans.replan(**{f"{pass_.upper()}_STAGE": mode})
         x, dy, g = (cp.asarray(a) for a in case[:3])
@@ -282,15 +282,80 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
             out[mode] = fwd if pass_ == "fwd" else cupyln.rms_norm_bwd(dy, x, g, fwd[1])
         (plan,) = plans
         grids[mode] = plan.grid
+        dynamic |= pass_ == "bwd" and plan.dynamic
         staged = plan.variant.endswith("_staged")
         chunked = plan.variant == "fwd_chunked"
         can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
         assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
         assert (plan.smem > 0) >= staged
         check_case(op, *case)
-    same_order = pass_ == "fwd" or grids["always"] == grids["never"]
+    same_order = pass_ == "fwd" or (grids["always"] == grids["never"] and not dynamic)
     for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
         assert cp.array_equal(a, b) or (i > 0 and not same_order), i
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(6000, 1024, F16, F32), (20001, 1000, BF16, BF16),
+                                        (3001, 4096, F32, F32), (1000, 1024, F16, F16),
+                                        (1500, 8192, BF16, F32), (5000, 96, F32, F32)])
+def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt):
+    """Staged backward rows taken from a ticket counter (deterministic=False; BWD_DYNAMIC)
+    against static rows (BWD_DYNAMIC off, or deterministic=True): the plan is dynamic exactly
+    where staged rows span warps; every one of several calls matches the reference (the counter
+    must come back to zero after each launch, or the next would drop or repeat rows), with
+    dgamma/dbeta or without them (dx alone: the tickets are the only scratch); dx is bitwise
+    the static rows' (rows are independent), and deterministic calls are bitwise repeatable
+    either way. 1000x1024 takes too few rows for tickets (static groups only); 5000x96 has
+    rows within a warp (static)."""
+    from cupyln import _launch
+
+    xh, dyh, gh, _ = inputs(M, N, dt, wdt)
+    x, dy, g = (cp.asarray(a) for a in (xh, dyh, gh))
+    warp = _launch.device_info(x.device.id).warp
+    if op == "ln":
+        _, mean, rstd = cupyln.layer_norm_fwd(x, g)
+        want = ref.layer_norm_bwd(dyh, xh, gh, mean.get(), rstd.get())
+    else:
+        mean, (_, rstd) = None, cupyln.rms_norm_fwd(x, g)
+        want = ref.rms_norm_bwd(dyh, xh, gh, rstd.get())
+    floor = dx_floor(dyh, gh, rstd)
+
+    def bwd(deterministic, params=True):
+        kw = {"deterministic": deterministic, "need_dgamma": params}
+        if op == "ln":
+            return cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dbeta=params, **kw)
+        return cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
+
+    def check(outs, params=True):
+        assert_close(outs[0], want[0], "dx", floor)
+        for out, w, name in zip(outs[1:], want[1:], ("dgamma", "dbeta")[:len(want) - 1],
+                                strict=True):
+            if params:
+                assert_close(out, w, name)
+            else:
+                assert out is None, name
+
+    plans.spy("bwd")
+    dxs, det = {}, {}
+    for on in (True, False):
+        plans.replan(BWD_DYNAMIC=on)
+        dxs[on] = []
+        for params in (True, True, False, True):
+            outs = bwd(False, params)
+            check(outs, params)
+            dxs[on].append(outs[0])
+        plan = plans[0]
+        staged_wide = plan.variant == "bwd_staged" and plan.block[0] > warp
+        assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block)
+        if _launch.device_info(x.device.id).async_copy and M >= 1500 and N >= 1000:
+            assert staged_wide, (plan.variant, plan.block)  # the cases meant to take tickets
+        det[on] = [bwd(True) for _ in range(2)]
+        check(det[on][0])
+    for a in dxs[True] + dxs[False][1:]:
+        assert cp.array_equal(a, dxs[False][0])
+    for outs in det[True] + det[False][1:]:
+        for a, b in zip(outs, det[False][0], strict=True):
+            assert cp.array_equal(a, b)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -530,8 +595,11 @@ def test_one_million_columns(op):
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["allocated", "out="])
-@pytest.mark.parametrize("flush", ["default", "deterministic", "atomic", "last block"])
-@pytest.mark.parametrize("M,N", [(300, 1000), (64, 512)])
+@pytest.mark.parametrize("flush,M,N", [
+    *((f, M, N) for M, N in ((300, 1000), (64, 512))
+      for f in ("default", "deterministic", "atomic", "last block")),
+    # staged rows from tickets (not deterministic), the counter after the flush's in the scratch
+    ("default", 6000, 1024), ("atomic", 6000, 1024)])
 def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
     """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on
     another stream while the same signature runs on the capturing one): the results match the
@@ -599,27 +667,38 @@ def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
         _launch.clear_caches()  # no plan made under the patched flush mode outlives the test
 
 
-@pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024)])
-def test_concurrent_streams_each_get_correct_gradients(atomic_flush, M, N):
-    """Atomic-flush backwards (one kernel; the last block found by a counter, which it leaves
-    zeroed with the sums) running on several streams at once: every call's dgamma/dbeta are
-    those of its own inputs."""
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
-    cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
-    results = [[] for _ in streams]
-    for _ in range(25):
-        for s, (xh, dyh, gh, _), res in zip(streams, cases, results, strict=True):
-            with s:
-                x, dy, g = cp.asarray(xh), cp.asarray(dyh), cp.asarray(gh)
-                y, mean, rstd = cupyln.layer_norm_fwd(x, g)
-                res.append((mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd)[1:])
-    for s in streams:
-        s.synchronize()
-    for (xh, dyh, gh, _), res in zip(cases, results, strict=True):
-        for mean, rstd, dg, db in res:
-            _, rdg, rdb = ref.layer_norm_bwd(dyh, xh, gh, mean.get(), rstd.get())
-            assert_close(dg, rdg, "dgamma")
-            assert_close(db, rdb, "dbeta")
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "partials"])
+@pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024), (6000, 1024)])
+def test_concurrent_streams_each_get_correct_gradients(monkeypatch, atomic, M, N):
+    """Backwards whose scratch counters are zeroed once per stream and left zeroed by each
+    launch (the atomic flush's last block and sums; the dynamic staged rows' tickets, 6000x1024)
+    running on several streams at once: every call's dgamma/dbeta are those of its own
+    inputs."""
+    from cupyln import _launch
+
+    monkeypatch.setattr(_launch, "ATOMIC_FLUSH", atomic)
+    _launch.clear_caches()  # no call remembered under the other flush may be reused
+    try:
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+        cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
+        results = [[] for _ in streams]
+        for _ in range(25):
+            for s, (xh, dyh, gh, _), res in zip(streams, cases, results, strict=True):
+                with s:
+                    x, dy, g = cp.asarray(xh), cp.asarray(dyh), cp.asarray(gh)
+                    y, mean, rstd = cupyln.layer_norm_fwd(x, g)
+                    res.append((mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd)[1:])
+        for s in streams:
+            s.synchronize()
+        for (xh, dyh, gh, _), res in zip(cases, results, strict=True):
+            # the forward is deterministic: every call's mean/rstd are the first call's
+            _, rdg, rdb = ref.layer_norm_bwd(dyh, xh, gh, res[0][0].get(), res[0][1].get())
+            for mean, rstd, dg, db in res:
+                assert cp.array_equal(mean, res[0][0]) and cp.array_equal(rstd, res[0][1])
+                assert_close(dg, rdg, "dgamma")
+                assert_close(db, rdb, "dbeta")
+    finally:
+        _launch.clear_caches()
 
 
 def test_warmup_compiles_the_plans_calls_use():
