@@ -80,7 +80,8 @@ def main():
                 vec = plan.spec.vec
                 gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3
                 print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {cfg} grid={plan.grid} "
-                      f"block={plan.block} vec={vec} smem={plan.smem} {plan.variant} "
+                      f"block={plan.block} vec={vec} smem={plan.smem} {plan.variant}"
+                      f"{' dynamic' if plan.dynamic else ''} "
                       f"{attrs(plan.kern)}: "
                       f"{us:8.1f} us "
                       f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)

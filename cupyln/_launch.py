@@ -58,6 +58,10 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
+# Staged forward rows taken from a ticket counter (RowGroups in kernels/common.cuh; the rows'
+# outputs do not depend on which block computes them) where rows span warps. False: static rows
+# (tests, tuning).
+FWD_DYNAMIC = True
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
 # two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves)
@@ -133,8 +137,11 @@ BWD_STAGE = "auto"
 # bf16 222.1, 222.9 / 218.5, 219.6, RMSNorm 220.8, 220.9 / 216.3, 217.7, 131072x4096 874.1,
 # 872.5 / 859.1, 858.6; 4096x4096, 4096x8192 and 4096x1024 f16 within the rounds' spread.
 # Rows within a warp (no block barrier per row) and grids of 2^31 groups of rows or more keep
-# static rows. False: static rows everywhere (tests, tuning).
+# static rows. False: static rows everywhere (tests, tuning). The variants that take them:
+# staged blocks, and staged clusters (rank 0 takes the tickets and sends each to its cluster's
+# blocks with a row's sums).
 BWD_DYNAMIC = True
+BWD_DYNAMIC_VARIANTS = ("bwd_staged", "bwd_cluster_staged")
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
 # argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
@@ -298,12 +305,13 @@ class Plan:
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
-        # staged backward rows taken from a ticket counter, where not deterministic (BWD_DYNAMIC)
+        # staged rows taken from a ticket counter (FWD_DYNAMIC, BWD_DYNAMIC; the backward's only
+        # where not deterministic)
         self.dynamic = dynamic
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
-_FWD_ARGS = "pipppppiiX"
+_FWD_ARGS = "pipppppiiXp"
 _BWD_ARGS = "pipipppppppppppii"
 _ROWSUMS_ARGS = "pipippppii"
 _REDUCE_ARGS = "piipp"
@@ -344,7 +352,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"  # every thread's vectors lie in the row (see FWD_FULL)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, main, kerns[main], grid, block, smem, launch)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch,
+                _dynamic(FWD_DYNAMIC, main, ("fwd_staged",), block, M, info))
 
 
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
@@ -439,9 +448,15 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    dynamic = (BWD_DYNAMIC and main == "bwd_staged" and block[0] > info.warp
-               and _cdiv(M, block[1]) < 2**31)
-    return Plan(spec, main, kerns[main], grid, block, smem, launch, dynamic)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch,
+                _dynamic(BWD_DYNAMIC, main, BWD_DYNAMIC_VARIANTS, block, M, info))
+
+
+def _dynamic(on, main, variants, block, M, info):
+    """Whether a plan's rows come from tickets (RowGroups): ``on`` (FWD_DYNAMIC / BWD_DYNAMIC),
+    a variant that takes them, rows wider than a warp (their reductions' block barrier hands the
+    tickets on) and fewer than 2^31 groups of rows (the kernels count them in 32 bits)."""
+    return on and main in variants and block[0] > info.warp and _cdiv(M, block[1]) < 2**31
 
 
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
@@ -672,14 +687,19 @@ class _on_device:
 
 
 class _HotFwd:
-    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
+    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext",
+                 "dynamic", "scratch_only")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
         self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
-        self.layout = _Layout([p for i, p in enumerate(parts)
-                               if self.given is None or not self.given[i]])
+        new = [p for i, p in enumerate(parts) if self.given is None or not self.given[i]]
+        # dynamic rows: the ticket counter's scratch of its own while a graph is being captured
+        # (see _atomic_scratch), after the outputs
+        self.dynamic = plan.dynamic
+        self.layout = _Layout(new, [_ACC_OFFSET] if self.dynamic else [])
+        self.scratch_only = self.dynamic and not new
         self.consts = (ldx, M, N, eps)
         self.ext = _Extents()
         v = plan.spec.vec
@@ -692,7 +712,7 @@ class _HotFwd:
         xp = x.data.ptr
         gp = 0 if gamma is None else gamma.data.ptr
         bp = 0 if beta is None else beta.data.ptr
-        outs = self.layout.make()[0]
+        outs, mem = self.layout.make()
         if self.given:
             outs = _fill(out, outs)
         y, rstd = outs[0], outs[-1]
@@ -703,7 +723,14 @@ class _HotFwd:
         if self.given and self.ext.overlap(out, (x, gamma, beta), (xp, gp, bp, *map(_ptr, out))):
             return None
         ldx, M, N, eps = self.consts
-        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps)
+        stream = _current_stream().ptr
+        tk = 0
+        if self.dynamic:
+            own = mem.ptr + self.layout.scratch[0]
+            if self.scratch_only and _is_capturing(stream):
+                _CAPTURED.append(mem)  # replays write to it, and no output keeps it (as _HotBwd)
+            tk = _atomic_scratch(self.dev, stream, _ACC_OFFSET, own) + _TICKETS
+        self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, tk)
         return (y, mean, rstd) if self.is_ln else (y, rstd)
 
 
@@ -784,7 +811,7 @@ class _HotBwd:
             if self.atomic:  # float32 atomics into zeroed sums after the counters
                 ap = scratch + _ACC_OFFSET
             if self.dynamic:  # the rows' ticket counter, after the last block's
-                tk = scratch + 4
+                tk = scratch + _TICKETS
         launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk,
                       pp, M, N)
         if pp and "reduce" in launch:
@@ -794,6 +821,7 @@ class _HotBwd:
 
 _NONE3 = (None, None, None)
 _ACC_OFFSET = 256  # the counters (the last block's, the rows' tickets), then the sums (aligned)
+_TICKETS = 4  # the rows' ticket counter (forward and backward), after the last block's
 _SCRATCH = {}  # (device, stream) -> zeroed memory of the flushes by the last block
 
 

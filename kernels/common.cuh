@@ -378,6 +378,42 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   }
 }
 
+// Rows of a grid of resident blocks (or clusters: gridDim.x of them) taken dynamically: block
+// b of nb takes groups (of rows; `groups` in all, < 2^31) b, b + nb, b + 2nb and b + 3nb, then
+// group 4nb + t for each ticket t that its taker (thread 0, of rank 0 in a cluster) takes from
+// `tickets` (zeroed). A fast block takes more groups than a slow one; a static assignment
+// cannot follow SMs of different speeds (resident forward grids, S15-2: 5-12% slower than
+// one-row blocks with static rows, 1-2% with these). Each iteration the taker hands on the
+// group after the next two (hand_on), before the row's reduction barrier, and every thread
+// reads it after that barrier (advance); the ticket behind it was taken an iteration earlier,
+// so its round trip never holds up a row (taken in the same iteration, a backward ran 13%
+// slower than static rows, S15-3). A taker stops after its first ticket past the last group,
+// so a launch takes exactly groups - 3nb tickets and atomicInc's wrap leaves the counter at 0
+// for the next launch.
+struct RowGroups {
+  unsigned int nb, groups, nxt, nxt2;  // the next two groups (nxt: the one whose copies go now)
+  unsigned int pending, raw;           // taker: the group after those, a ticket not yet used
+  bool taken;                          // taker: raw was taken in the previous iteration
+  __device__ __forceinline__ RowGroups(unsigned int groups_)
+      : nb(gridDim.x), groups(groups_), nxt(blockIdx.x + gridDim.x),
+        nxt2(blockIdx.x + 2 * gridDim.x), pending(blockIdx.x + 3 * gridDim.x), raw(0),
+        taken(false) {}
+  // taker: the group to hand on this iteration; takes the ticket for the next one
+  __device__ __forceinline__ unsigned int hand_on(unsigned int* tickets) {
+    if (taken) pending = 4 * nb + raw;  // taken an iteration ago: it has arrived
+    taken = pending < groups;
+    if (taken) raw = atomicInc(tickets, groups - 3 * nb - 1);
+    return pending;
+  }
+  // every thread, after the barrier: the group of the next iteration; `later` was handed on
+  __device__ __forceinline__ unsigned int advance(unsigned int later) {
+    const unsigned int g = nxt;
+    nxt = nxt2;
+    nxt2 = later;
+    return g;
+  }
+};
+
 // Sums over the CL blocks of a thread-block cluster (CUDA sm_90 on): rows longer than one block
 // holds are split into CL column tiles, one per block of a cluster, and the blocks exchange
 // their tiles' sums through distributed shared memory instead of a second kernel reading the
@@ -408,9 +444,12 @@ __device__ __forceinline__ void cluster_sync() {
 // an option). Two buffers alternate by row; a block can write a buffer again (two rows later)
 // only after every block sent the sums of the row in between, which each sends after the block
 // barrier of its row_allreduce, so after all its threads read that buffer.
+// With a group (dynamic rows, norm_bwd.cu), rank 0 also sends it to every block, counted on
+// the same mbarrier.
 template <int CL, int K, typename C> struct __align__(16) ClusterExchange {
   C recv[2][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
   unsigned long long bar[2];  // mbarrier per buffer: one arrival and CL * K values to complete
+  unsigned int group[2];      // per buffer: rank 0's group of rows
 };
 template <int CL, int K, typename C>
 __device__ __forceinline__ ClusterExchange<CL, K, C>& cluster_exchange() {
@@ -463,6 +502,10 @@ __device__ __forceinline__ void st_async1(unsigned int a, float v, unsigned int 
 __device__ __forceinline__ void st_async1(unsigned int a, double v, unsigned int bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f64 [%0], %1, [%2];"
                ::"r"(a), "d"(v), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_async1(unsigned int a, unsigned int v, unsigned int bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];"
+               ::"r"(a), "r"(v), "r"(bar) : "memory");
 }
 #endif
 
@@ -552,18 +595,27 @@ template <int CL, int K, typename C> __device__ __forceinline__ void cluster_all
 
 // Sums over the CL blocks of a cluster of this row's K = 2 values (already summed over the
 // block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP).
+// `group` (the same on every block: null or not): rank 0's thread 0 sends *group, and every
+// thread's *group is rank 0's after it.
 template <int CL, int K, typename C>
-__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
+__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase,
+                                                  unsigned int* group = nullptr) {
   static_assert(K == 2, "two row sums");
 #if CLN_CLUSTERS
   auto& x = cluster_exchange<CL, K, C>();
   const int b = phase & 1;
   const unsigned int bar = smem_addr(&x.bar[b]);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C)));
-    const unsigned int slot = smem_addr(&x.recv[b][cluster_rank()][0]);
+    const unsigned int rank = cluster_rank();
+    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C) + (group ? sizeof(*group) : 0)));
+    const unsigned int slot = smem_addr(&x.recv[b][rank][0]);
 #pragma unroll
     for (int r = 0; r < CL; ++r) st_async2(cluster_addr(slot, r), v[0], v[1], cluster_addr(bar, r));
+    if (group && rank == 0) {
+      const unsigned int gslot = smem_addr(&x.group[b]);
+#pragma unroll
+      for (int r = 0; r < CL; ++r) st_async1(cluster_addr(gslot, r), *group, cluster_addr(bar, r));
+    }
   }
   mbarrier_wait(bar, (unsigned int)(phase >> 1) & 1u);  // this buffer's (phase / 2)-th completion
 #pragma unroll
@@ -572,6 +624,7 @@ __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
   for (int r = 0; r < CL; ++r)
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += x.recv[b][r][k];
+  if (group) *group = x.group[b];
 #else
   cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif

@@ -13,9 +13,10 @@
 // Rows that fit in the blocks of one cluster at once (sm_90) run there instead (norm_bwd_csum):
 // the blocks sum dgamma/dbeta among themselves through distributed shared memory, in a fixed
 // order, with no scratch.
-// Staged blocks given a row ticket counter (`tickets`, zeroed; the host passes it where
-// dgamma/dbeta need not be bitwise repeatable) take their rows dynamically from it, so a fast
-// block takes more rows than a slow one; otherwise block b takes rows b, b + G, ... (bwd_rows).
+// Staged blocks (or clusters) given a row ticket counter (`tickets`, zeroed; the host passes it
+// where dgamma/dbeta need not be bitwise repeatable) take their rows dynamically from it, so a
+// fast block takes more rows than a slow one; otherwise block b takes rows b, b + G, ...
+// (bwd_rows).
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
 // after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
@@ -126,40 +127,31 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   };
   C mu_next, rs_next;
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0, mu_next, rs_next);
-  // Dynamic rows (staged, given tickets; rows wider than a warp, whose reductions have a block
-  // barrier): block b of nb takes groups (of blockDim.y rows) b, b + nb, b + 2nb and b + 3nb,
-  // then group 4nb + t for each ticket t that thread 0 takes from tickets. A ticket taken in one
-  // iteration is stored into btick in the next, before its reduction barrier, and read by all
-  // after it: its round trip never holds up a row (stored in the same iteration, 16384x8192 bf16
-  // ran 13% slower than static rows, S15-3). btick's two slots alternate by row: a slot is
-  // written again two rows later, after the barrier every thread passes once it has read it.
-  // Why: static rows cannot follow SMs of different speeds (S15-4: 16384x8192 bf16 222.5 us
-  // static against 219.0 dynamic, 131072x4096 873 against 859). A block stops taking tickets
-  // after its first one past the last group, so a launch takes exactly groups - 3nb of them and
-  // atomicInc's wrap leaves the counter at 0 for the next launch.
-  const bool dyn = STAGED && CL == 1 && XC == 1 && tickets != nullptr;
+  // Dynamic rows (staged, given tickets: RowGroups; rows wider than a warp, whose reductions
+  // have a block barrier). A block hands each group on in btick, whose two slots alternate by
+  // row: a slot is written again two rows later, after the barrier every thread passes once it
+  // has read it. A cluster's rank 0 sends it to every block with the row's sums
+  // (cluster_allreduce), the same way. S15-4: 16384x8192 bf16 222.5 us static against 219.0
+  // dynamic, 131072x4096 873 against 859.
+  const bool dyn = STAGED && XC == 1 && tickets != nullptr;
   if (dyn && blockDim.x <= WARP) cl_trap();
+  const bool taker = dyn && tid == 0 && blockIdx.y == 0;  // a cluster's rank 0 (dims (1, CL, 1))
   __shared__ unsigned int btick[2];
-  const unsigned int nb = gridDim.x;
-  const unsigned int groups = (unsigned int)((M + blockDim.y - 1) / blockDim.y);  // host: < 2^31
-  unsigned int nxt = blockIdx.x + nb, nxt2 = blockIdx.x + 2 * nb;  // the next two groups
-  unsigned int pending = blockIdx.x + 3 * nb, raw = 0;  // thread 0: the one after, a ticket
-  bool taken = false;  // thread 0: raw is a ticket taken in the previous iteration
+  RowGroups rg((unsigned int)((M + blockDim.y - 1) / blockDim.y));  // host: < 2^31 groups
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     C mu, rs;
+    unsigned int handed = 0;  // dynamic rows: the taker's group (in a cluster, every thread's)
     if constexpr (STAGED) {
       mu = mu_next;
       rs = rs_next;
-      prefetch(dyn ? (cl_i64)nxt * blockDim.y + threadIdx.y : row + step, (phase + 1) & 1,
+      prefetch(dyn ? (cl_i64)rg.nxt * blockDim.y + threadIdx.y : row + step, (phase + 1) & 1,
                mu_next, rs_next);
-      if (dyn && tid == 0) {
-        if (taken) pending = 4 * nb + raw;  // taken an iteration ago: it has arrived
-        btick[phase & 1] = pending;
-        taken = pending < groups;
-        if (taken) raw = atomicInc(tickets, groups - 3 * nb - 1);
+      if (taker) {
+        handed = rg.hand_on(tickets);
+        if (CL == 1) btick[phase & 1] = handed;
       }
     } else {
       stats(row, mu, rs);
@@ -219,7 +211,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
-      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase);  // the other tiles' sums
+      // the other tiles' sums; with dynamic rows rank 0's group, into every thread's handed
+      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase, dyn ? &handed : nullptr);
     }
     if (dx && valid) {
       // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
@@ -236,14 +229,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         store_vec<VEC>(dxr + col, o);
       }
     }
-    if (dyn) {  // after the row's reduction barrier: btick holds thread 0's group
-      const unsigned int later = btick[phase & 1];
-      base = (cl_i64)nxt * blockDim.y;
-      nxt = nxt2;
-      nxt2 = later;
-    } else {
-      base += step;
-    }
+    // after the row's reduction barrier (and exchange): the taker's group
+    base = dyn ? (cl_i64)rg.advance(CL > 1 ? handed : btick[phase & 1]) * blockDim.y
+               : base + step;
   }
 
   async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused

@@ -117,7 +117,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
-                                         typename Acc<T>::type eps) {
+                                         typename Acc<T>::type eps,
+                                         unsigned int* __restrict__ tickets) {
   typedef typename Acc<T>::type C;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
@@ -149,16 +150,25 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   };
   if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
+  // Dynamic rows (staged, given tickets: RowGroups, as the backward's; rows wider than a warp,
+  // whose statistics have a block barrier): thread 0 hands each group on in btick, two slots
+  // alternating by row, read by all after the row's statistics.
+  const bool dyn = STAGED && tickets != nullptr;
+  if (dyn && blockDim.x <= WARP) cl_trap();
+  __shared__ unsigned int btick[2];
+  RowGroups rg((unsigned int)((M + blockDim.y - 1) / blockDim.y));  // host: < 2^31 groups
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M;) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
+    const int slot = phase & 1;  // staged (one chunk): this row's btick slot
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       if constexpr (STAGED) {  // one chunk: phase counts rows
-        prefetch(row + step, (phase + 1) & 1);
+        prefetch(dyn ? (cl_i64)rg.nxt * blockDim.y + threadIdx.y : row + step, (phase + 1) & 1);
+        if (dyn && tid == 0) btick[slot] = rg.hand_on(tickets);
         async_wait<1>();  // this row's copies have landed; the next row's stay in flight
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
@@ -184,6 +194,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
                                         y + row * N, hg, hb);
     }
+    // after the row's statistics (their barrier): thread 0's group
+    base = dyn ? (cl_i64)rg.advance(btick[slot]) * blockDim.y : base + step;
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
 }
@@ -191,18 +203,18 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
 #define CLN_FWD_PARAMS                                                                        \
   const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
-      cl_i64 N, typename Acc<T>::type eps
+      cl_i64 N, typename Acc<T>::type eps, unsigned int *__restrict__ tickets
 
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
           bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
   fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
-                                                                rstd_out, M, N, eps);
+                                                                rstd_out, M, N, eps, tickets);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
   fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
-                                                       M, N, eps);
+                                                       M, N, eps, tickets);
 }
