@@ -58,9 +58,9 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
-# Staged forward rows taken from a ticket counter (RowGroups in kernels/common.cuh; the rows'
-# outputs do not depend on which block computes them) where rows span warps. False: static rows
-# (tests, tuning).
+# Staged forward rows taken from a ticket counter (the "fwd_staged_dyn" kernel; RowTickets in
+# kernels/common.cuh; a row's outputs do not depend on the block that computes it) where rows
+# span warps. False: static rows (tests, tuning).
 FWD_DYNAMIC = True
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
@@ -131,11 +131,12 @@ CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
-# Staged backward rows taken dynamically (a ticket counter; kernels/norm_bwd.cu, bwd_rows) where
-# dgamma/dbeta need not be bitwise repeatable (deterministic=False): which block sums which
-# rows then depends on timing. S15-4 (tune.py, us, static / dynamic, two rounds): 16384x8192
-# bf16 222.1, 222.9 / 218.5, 219.6, RMSNorm 220.8, 220.9 / 216.3, 217.7, 131072x4096 874.1,
-# 872.5 / 859.1, 858.6; 4096x4096, 4096x8192 and 4096x1024 f16 within the rounds' spread.
+# Staged backward rows taken dynamically (a ticket counter; the "_dyn" kernels, the plan's
+# launch["bwd_dyn"]; RowTickets in kernels/common.cuh) where dgamma/dbeta need not be bitwise
+# repeatable (deterministic=False): which block sums which rows then depends on timing. S15-4
+# (tune.py, us, static / dynamic, two rounds): 16384x8192 bf16 222.1, 222.9 / 218.5, 219.6,
+# RMSNorm 220.8, 220.9 / 216.3, 217.7, 131072x4096 874.1, 872.5 / 859.1, 858.6; 4096x4096,
+# 4096x8192 and 4096x1024 f16 within the rounds' spread.
 # Rows within a warp (no block barrier per row) and grids of 2^31 groups of rows or more keep
 # static rows. False: static rows everywhere (tests, tuning). The variants that take them:
 # staged blocks, and staged clusters (rank 0 takes the tickets and sends each to its cluster's
@@ -305,8 +306,8 @@ class Plan:
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
-        # staged rows taken from a ticket counter (FWD_DYNAMIC, BWD_DYNAMIC; the backward's only
-        # where not deterministic)
+        # staged rows taken from a ticket counter: the forward's variant (FWD_DYNAMIC), or the
+        # backward's launch["bwd_dyn"] for calls that need not be deterministic (BWD_DYNAMIC)
         self.dynamic = dynamic
 
 
@@ -346,14 +347,16 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         alone = _blocks_per_sm(kerns[main], threads, 0, info) == 1
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             main, smem = "fwd_staged", stage
+            if _dynamic(FWD_DYNAMIC, block, M, info):
+                main = "fwd_staged_dyn"  # rows from tickets (see FWD_DYNAMIC)
+                resident = info.sms * _blocks_per_sm(kerns[main], threads, stage, info)
             grid = (min(_cdiv(M, g.rpb), resident),)
     if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
         main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
     if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"  # every thread's vectors lie in the row (see FWD_FULL)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, main, kerns[main], grid, block, smem, launch,
-                _dynamic(FWD_DYNAMIC, main, ("fwd_staged",), block, M, info))
+    return Plan(spec, main, kerns[main], grid, block, smem, launch, main == "fwd_staged_dyn")
 
 
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
@@ -436,6 +439,12 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         grid = grid_of(kerns[main], smem)
     else:
         smem = colsum
+    # the same rows from tickets, for calls that need not be deterministic (see BWD_DYNAMIC): a
+    # kernel of its own, on the grid that both fit
+    dyn = (main + "_dyn" if main in BWD_DYNAMIC_VARIANTS and _dynamic(BWD_DYNAMIC, block, M, info)
+           else None)
+    if dyn:
+        grid = min(grid, grid_of(kerns[dyn], smem))
     if not g.fits and not cluster:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (ROWSUMS_TPR, 1), 0,
@@ -448,15 +457,17 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["reduce"] = Launcher(kerns["reduce"], (_cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
-    return Plan(spec, main, kerns[main], grid, block, smem, launch,
-                _dynamic(BWD_DYNAMIC, main, BWD_DYNAMIC_VARIANTS, block, M, info))
+    if dyn:
+        launch["bwd_dyn"] = Launcher(kerns[dyn], grid, block, smem, _BWD_ARGS)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch, dyn is not None)
 
 
-def _dynamic(on, main, variants, block, M, info):
-    """Whether a plan's rows come from tickets (RowGroups): ``on`` (FWD_DYNAMIC / BWD_DYNAMIC),
-    a variant that takes them, rows wider than a warp (their reductions' block barrier hands the
-    tickets on) and fewer than 2^31 groups of rows (the kernels count them in 32 bits)."""
-    return on and main in variants and block[0] > info.warp and _cdiv(M, block[1]) < 2**31
+def _dynamic(on, block, M, info):
+    """Whether staged rows may come from tickets (RowTickets in kernels/common.cuh): ``on``
+    (FWD_DYNAMIC / BWD_DYNAMIC), rows wider than a warp (the reductions' block barrier orders
+    the tickets' hand-on) and fewer than 2^31 groups of rows (the kernels count them in 32
+    bits)."""
+    return on and block[0] > info.warp and _cdiv(M, block[1]) < 2**31
 
 
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
@@ -735,7 +746,7 @@ class _HotFwd:
 
 
 class _HotBwd:
-    __slots__ = ("dev", "launch", "layout", "given", "want", "consts", "xmask", "wmask",
+    __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
                  "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
                  "partial", "scratch_only")
 
@@ -760,6 +771,7 @@ class _HotBwd:
         # counter after that one
         self.flushed = self.atomic or (params and "reduce" not in plan.launch)
         self.dynamic = dynamic
+        self.main = plan.launch["bwd_dyn" if dynamic else "bwd"]
         self.counted = self.flushed or dynamic
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
@@ -812,8 +824,8 @@ class _HotBwd:
                 ap = scratch + _ACC_OFFSET
             if self.dynamic:  # the rows' ticket counter, after the last block's
                 tk = scratch + _TICKETS
-        launch["bwd"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk,
-                      pp, M, N)
+        self.main(stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk, pp, M,
+                  N)
         if pp and "reduce" in launch:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta

@@ -379,39 +379,40 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
 }
 
 // Rows of a grid of resident blocks (or clusters: gridDim.x of them) taken dynamically: block
-// b of nb takes groups (of rows; `groups` in all, < 2^31) b, b + nb, b + 2nb and b + 3nb, then
-// group 4nb + t for each ticket t that its taker (thread 0, of rank 0 in a cluster) takes from
-// `tickets` (zeroed). A fast block takes more groups than a slow one; a static assignment
-// cannot follow SMs of different speeds (resident forward grids, S15-2: 5-12% slower than
-// one-row blocks with static rows, 1-2% with these). Each iteration the taker hands on the
-// group after the next two (hand_on), before the row's reduction barrier, and every thread
-// reads it after that barrier (advance); the ticket behind it was taken an iteration earlier,
-// so its round trip never holds up a row (taken in the same iteration, a backward ran 13%
-// slower than static rows, S15-3). A taker stops after its first ticket past the last group,
-// so a launch takes exactly groups - 3nb tickets and atomicInc's wrap leaves the counter at 0
-// for the next launch.
-struct RowGroups {
-  unsigned int nb, groups, nxt, nxt2;  // the next two groups (nxt: the one whose copies go now)
-  unsigned int pending, raw;           // taker: the group after those, a ticket not yet used
-  bool taken;                          // taker: raw was taken in the previous iteration
-  __device__ __forceinline__ RowGroups(unsigned int groups_)
-      : nb(gridDim.x), groups(groups_), nxt(blockIdx.x + gridDim.x),
-        nxt2(blockIdx.x + 2 * gridDim.x), pending(blockIdx.x + 3 * gridDim.x), raw(0),
-        taken(false) {}
-  // taker: the group to hand on this iteration; takes the ticket for the next one
-  __device__ __forceinline__ unsigned int hand_on(unsigned int* tickets) {
-    if (taken) pending = 4 * nb + raw;  // taken an iteration ago: it has arrived
-    taken = pending < groups;
-    if (taken) raw = atomicInc(tickets, groups - 3 * nb - 1);
-    return pending;
+// b of nb takes groups (of rows; `groups` in all, < 2^31) b, b + nb, b + 2nb and b + 3nb in its
+// iterations 0-3, then group 4nb + t for each ticket t that its taker (thread 0, of rank 0 in a
+// cluster) takes from `tickets` (zeroed). A fast block takes more groups than a slow one; a
+// static assignment cannot follow SMs of different speeds (resident forward grids, S15-2: 5-12%
+// slower than one-row blocks with static rows, 1-2% with these). In iteration p the taker
+// takes (take) the group of iteration p + 3, from the ticket it took in iteration p - 1, so the
+// ticket's round trip never holds up a row (taken in the same iteration, a backward ran 13%
+// slower than static rows, S15-3); thread 0 puts it into slot (p + 3) & 3 of `ring` (4 words of
+// shared memory), which every thread reads in iteration p + 2 (the group whose copies it
+// issues, then the one it moves on to). A slot is written again four iterations on: after the
+// block barriers of the reductions of the two rows in between, which every thread passes after
+// its reads (so rows must span warps: the reductions' barrier). Only the ticket of the taker
+// stays in a register: the static kernels' registers are not enough for more (S16-1, state in
+// registers: 8 bytes spilled by the cluster kernel, 4096x32768 forward 150 -> 163 us). A taker
+// stops after its first ticket past the last group, so a launch takes exactly groups - 3nb
+// tickets, and atomicInc's wrap leaves the counter at 0 for the next launch.
+struct RowTickets {
+  unsigned int* tickets;
+  unsigned int* ring;  // shared: ring[i & 3] = the group of iteration i (i >= 3)
+  unsigned int groups;
+  unsigned int raw = ~0u;  // taker: the ticket taken in the previous iteration; ~0u: none
+  // every thread: the group of iteration i >= 1 (i <= 2 static; else handed on)
+  __device__ __forceinline__ unsigned int group(int i) const {
+    return i < 3 ? blockIdx.x + (unsigned int)i * gridDim.x : ring[i & 3];
   }
-  // every thread, after the barrier: the group of the next iteration; `later` was handed on
-  __device__ __forceinline__ unsigned int advance(unsigned int later) {
-    const unsigned int g = nxt;
-    nxt = nxt2;
-    nxt2 = later;
+  // taker, in iteration p: the group of iteration p + 3; takes the ticket of the next one
+  __device__ __forceinline__ unsigned int take(int p) {
+    const unsigned int nb = gridDim.x;
+    const unsigned int g = p == 0 ? blockIdx.x + 3 * nb : raw == ~0u ? groups : 4 * nb + raw;
+    raw = g < groups ? atomicInc(tickets, groups - 3 * nb - 1) : ~0u;
     return g;
   }
+  // thread 0, in iteration p: hands the group of iteration p + 3 on to its block
+  __device__ __forceinline__ void hand_on(int p, unsigned int g) { ring[(p + 3) & 3] = g; }
 };
 
 // Sums over the CL blocks of a thread-block cluster (CUDA sm_90 on): rows longer than one block
@@ -596,7 +597,7 @@ template <int CL, int K, typename C> __device__ __forceinline__ void cluster_all
 // Sums over the CL blocks of a cluster of this row's K = 2 values (already summed over the
 // block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP).
 // `group` (the same on every block: null or not): rank 0's thread 0 sends *group, and every
-// thread's *group is rank 0's after it.
+// block's thread 0 has rank 0's in *group after it.
 template <int CL, int K, typename C>
 __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase,
                                                   unsigned int* group = nullptr) {
@@ -624,7 +625,7 @@ __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase,
   for (int r = 0; r < CL; ++r)
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += x.recv[b][r][k];
-  if (group) *group = x.group[b];
+  if (group && threadIdx.x == 0 && threadIdx.y == 0) *group = x.group[b];
 #else
   cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif

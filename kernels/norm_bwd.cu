@@ -13,9 +13,9 @@
 // Rows that fit in the blocks of one cluster at once (sm_90) run there instead (norm_bwd_csum):
 // the blocks sum dgamma/dbeta among themselves through distributed shared memory, in a fixed
 // order, with no scratch.
-// Staged blocks (or clusters) given a row ticket counter (`tickets`, zeroed; the host passes it
-// where dgamma/dbeta need not be bitwise repeatable) take their rows dynamically from it, so a
-// fast block takes more rows than a slow one; otherwise block b takes rows b, b + G, ...
+// The DYN kernels (staged blocks or clusters, given a zeroed row ticket counter `tickets`; the
+// host's choice where dgamma/dbeta need not be bitwise repeatable) take their rows dynamically,
+// so a fast block takes more rows than a slow one; otherwise block b takes rows b, b + G, ...
 // (bwd_rows).
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
@@ -44,12 +44,12 @@
 // CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
 // and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
 // LAST: the last block sums the partials of a grid of few blocks (see below).
-// tickets (staged rows only; its own argument, apart from the flush's `counter`, which the atomic
-// flush passes with static rows too): hands out the blocks' groups of rows, see below.
+// DYN: staged rows from `tickets` (its own argument, apart from the flush's `counter`), see
+// below.
 // XC > 1: the grid is one cluster of XC blocks (gridDim.x == XC), which sum dgamma/dbeta through
 // distributed shared memory (ClusterSums); partial, accum and counter are then unused.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool LAST, int XC = 1>
+          bool LAST, int XC = 1, bool DYN = false>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
@@ -127,32 +127,29 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   };
   C mu_next, rs_next;
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0, mu_next, rs_next);
-  // Dynamic rows (staged, given tickets: RowGroups; rows wider than a warp, whose reductions
-  // have a block barrier). A block hands each group on in btick, whose two slots alternate by
-  // row: a slot is written again two rows later, after the barrier every thread passes once it
-  // has read it. A cluster's rank 0 sends it to every block with the row's sums
-  // (cluster_allreduce), the same way. S15-4: 16384x8192 bf16 222.5 us static against 219.0
-  // dynamic, 131072x4096 873 against 859.
-  const bool dyn = STAGED && XC == 1 && tickets != nullptr;
-  if (dyn && blockDim.x <= WARP) cl_trap();
-  const bool taker = dyn && tid == 0 && blockIdx.y == 0;  // a cluster's rank 0 (dims (1, CL, 1))
-  __shared__ unsigned int btick[2];
-  RowGroups rg((unsigned int)((M + blockDim.y - 1) / blockDim.y));  // host: < 2^31 groups
+  // DYN: staged rows from tickets (RowTickets; the host's variant for deterministic=False, with
+  // rows wider than a warp, whose reductions have a block barrier). A cluster's rank 0 takes
+  // them and sends each to its blocks with a row's sums (cluster_allreduce). A kernel of its own:
+  // the static kernels keep their registers. S15-4: 16384x8192 bf16 222.5 us static against
+  // 219.0 dynamic, 131072x4096 873 against 859.
+  constexpr bool DYNAMIC = DYN && STAGED && XC == 1;
+  if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP)) cl_trap();
+  RowTickets rt{tickets, nullptr, (unsigned int)((M + blockDim.y - 1) / blockDim.y)};  // < 2^31
+  if constexpr (DYNAMIC) {  // (no shared memory in the static kernels)
+    __shared__ unsigned int ring[4];
+    rt.ring = ring;
+  }
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     C mu, rs;
-    unsigned int handed = 0;  // dynamic rows: the taker's group (in a cluster, every thread's)
     if constexpr (STAGED) {
       mu = mu_next;
       rs = rs_next;
-      prefetch(dyn ? (cl_i64)rg.nxt * blockDim.y + threadIdx.y : row + step, (phase + 1) & 1,
-               mu_next, rs_next);
-      if (taker) {
-        handed = rg.hand_on(tickets);
-        if (CL == 1) btick[phase & 1] = handed;
-      }
+      prefetch(DYNAMIC ? (cl_i64)rt.group(phase + 1) * blockDim.y + threadIdx.y : row + step,
+               (phase + 1) & 1, mu_next, rs_next);
+      if (DYNAMIC && CL == 1 && tid == 0) rt.hand_on(phase, rt.take(phase));
     } else {
       stats(row, mu, rs);
     }
@@ -211,8 +208,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
-      // the other tiles' sums; with dynamic rows rank 0's group, into every thread's handed
-      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase, dyn ? &handed : nullptr);
+      if constexpr (CL > 1) {  // the other tiles' sums; DYNAMIC: rank 0's group with them
+        unsigned int g = DYNAMIC && tid == 0 && blockIdx.y == 0 ? rt.take(phase) : 0u;
+        cluster_allreduce<CL>(s, phase, DYNAMIC ? &g : nullptr);
+        if (DYNAMIC && tid == 0) rt.hand_on(phase, g);
+      }
     }
     if (dx && valid) {
       // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
@@ -229,9 +229,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         store_vec<VEC>(dxr + col, o);
       }
     }
-    // after the row's reduction barrier (and exchange): the taker's group
-    base = dyn ? (cl_i64)rg.advance(CL > 1 ? handed : btick[phase & 1]) * blockDim.y
-               : base + step;
+    base = DYNAMIC ? (cl_i64)rt.group(phase + 1) * blockDim.y : base + step;
   }
 
   async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused
@@ -335,10 +333,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in
 // norm_bwd_reduce's order (the planner's choice where that costs less than a second launch).
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST,
+          bool DYN = false>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN>(CLN_BWD_ARGS);
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
@@ -352,10 +351,11 @@ CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in
 // that many blocks; CL is its CLUSTER_TILES); elsewhere norm_bwd_rowsums, then norm_bwd on
 // column tiles.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
+          bool DYN = false>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false, 1, DYN>(CLN_BWD_ARGS);
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers

@@ -112,7 +112,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // one chunk): every thread's vectors lie below N, so the loads, the centred pass and the stores
 // test no column (fewer instructions and registers: see FWD_FULL in _launch.py).
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP, bool FULL = false>
+          int NPT, int WARP, bool FULL = false, bool DYN = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
@@ -150,25 +150,29 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   };
   if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
-  // Dynamic rows (staged, given tickets: RowGroups, as the backward's; rows wider than a warp,
-  // whose statistics have a block barrier): thread 0 hands each group on in btick, two slots
-  // alternating by row, read by all after the row's statistics.
-  const bool dyn = STAGED && tickets != nullptr;
-  if (dyn && blockDim.x <= WARP) cl_trap();
-  __shared__ unsigned int btick[2];
-  RowGroups rg((unsigned int)((M + blockDim.y - 1) / blockDim.y));  // host: < 2^31 groups
+  // DYN: staged rows from tickets (RowTickets, as the backward's; the host's variant for rows
+  // wider than a warp, whose statistics have a block barrier). A kernel of its own: the static
+  // one keeps its registers (S16-1: 150 -> 166 us at 4096x32768 f16 with both in one).
+  constexpr bool DYNAMIC = DYN && STAGED;
+  if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP)) cl_trap();
+  RowTickets rt{tickets, nullptr, (unsigned int)((M + blockDim.y - 1) / blockDim.y)};  // < 2^31
+  if constexpr (DYNAMIC) {  // (no shared memory in the static kernel)
+    __shared__ unsigned int ring[4];
+    rt.ring = ring;
+  }
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M;) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
-    const int slot = phase & 1;  // staged (one chunk): this row's btick slot
+    const int it = phase;  // staged (one chunk): the row's iteration
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       if constexpr (STAGED) {  // one chunk: phase counts rows
-        prefetch(dyn ? (cl_i64)rg.nxt * blockDim.y + threadIdx.y : row + step, (phase + 1) & 1);
-        if (dyn && tid == 0) btick[slot] = rg.hand_on(tickets);
+        prefetch(DYNAMIC ? (cl_i64)rt.group(it + 1) * blockDim.y + threadIdx.y : row + step,
+                 (phase + 1) & 1);
+        if (DYNAMIC && tid == 0) rt.hand_on(it, rt.take(it));
         async_wait<1>();  // this row's copies have landed; the next row's stay in flight
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
@@ -194,8 +198,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
                                         y + row * N, hg, hb);
     }
-    // after the row's statistics (their barrier): thread 0's group
-    base = dyn ? (cl_i64)rg.advance(btick[slot]) * blockDim.y : base + step;
+    base = DYNAMIC ? (cl_i64)rt.group(it + 1) * blockDim.y : base + step;
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
 }
@@ -206,10 +209,10 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       cl_i64 N, typename Acc<T>::type eps, unsigned int *__restrict__ tickets
 
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
-          bool FULL>
+          bool FULL, bool DYN = false>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
-                                                                rstd_out, M, N, eps, tickets);
+  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL, DYN>(
+      x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps, tickets);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).

@@ -283,7 +283,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         (plan,) = plans
         grids[mode] = plan.grid
         dynamic |= pass_ == "bwd" and plan.dynamic
-        staged = plan.variant.endswith("_staged")
+        staged = "_staged" in plan.variant
         chunked = plan.variant == "fwd_chunked"
         can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
         assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
@@ -330,8 +330,9 @@ def test_dynamic_rows_of_the_staged_forward(plans, op, M, N, dt, wdt, stage, mea
             for a, w, name in zip(got, want, names, strict=True):
                 assert_close(a, w, name)
         (plan,) = plans
-        staged_wide = plan.variant == "fwd_staged" and plan.block[0] > warp
+        staged_wide = plan.variant.startswith("fwd_staged") and plan.block[0] > warp
         assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block)
+        assert plan.dynamic == (plan.variant == "fwd_staged_dyn"), plan.variant
         if meant and _launch.device_info(x.device.id).async_copy:
             assert plan.dynamic or not on, (plan.variant, plan.block)
     for got in outs[True] + outs[False][1:]:
