@@ -386,33 +386,36 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
 // slower than one-row blocks with static rows, 1-2% with these). In iteration p the taker
 // takes (take) the group of iteration p + 3, from the ticket it took in iteration p - 1, so the
 // ticket's round trip never holds up a row (taken in the same iteration, a backward ran 13%
-// slower than static rows, S15-3); thread 0 puts it into slot (p + 3) & 3 of `ring` (4 words of
-// shared memory), which every thread reads in iteration p + 2 (the group whose copies it
-// issues, then the one it moves on to). A slot is written again four iterations on: after the
-// block barriers of the reductions of the two rows in between, which every thread passes after
-// its reads (so rows must span warps: the reductions' barrier). Only the ticket of the taker
-// stays in a register: the static kernels' registers are not enough for more (S16-1, state in
-// registers: 8 bytes spilled by the cluster kernel, 4096x32768 forward 150 -> 163 us). A taker
-// stops after its first ticket past the last group, so a launch takes exactly groups - 3nb
-// tickets, and atomicInc's wrap leaves the counter at 0 for the next launch.
+// slower than static rows, S15-3). The kernel hands it on to all its threads before the row's
+// reduction barrier (through shared memory, or with a cluster's row sums), and every thread
+// moves on (advance) after that barrier. The next two groups stay in registers: kept in shared
+// memory instead (a ring of 4 slots), the backward ran 18-32% slower (S16-2). A taker stops
+// after its first ticket past the last group, so a launch takes exactly groups - 3nb tickets,
+// and atomicInc's wrap leaves the counter at 0 for the next launch.
 struct RowTickets {
   unsigned int* tickets;
-  unsigned int* ring;  // shared: ring[i & 3] = the group of iteration i (i >= 3)
   unsigned int groups;
-  unsigned int raw = ~0u;  // taker: the ticket taken in the previous iteration; ~0u: none
-  // every thread: the group of iteration i >= 1 (i <= 2 static; else handed on)
-  __device__ __forceinline__ unsigned int group(int i) const {
-    return i < 3 ? blockIdx.x + (unsigned int)i * gridDim.x : ring[i & 3];
-  }
-  // taker, in iteration p: the group of iteration p + 3; takes the ticket of the next one
-  __device__ __forceinline__ unsigned int take(int p) {
+  unsigned int nxt, nxt2;  // the groups of the next two iterations
+  unsigned int pending, raw;  // taker: the group of iteration p + 3, the last ticket (~0u: none)
+  __device__ __forceinline__ RowTickets(unsigned int* t, unsigned int g)
+      : tickets(t), groups(g), nxt(blockIdx.x + gridDim.x), nxt2(blockIdx.x + 2 * gridDim.x),
+        pending(blockIdx.x + 3 * gridDim.x), raw(~0u) {}
+  // taker, each iteration: the group of the iteration after the next two; takes the ticket of
+  // the one after that
+  __device__ __forceinline__ unsigned int take() {
     const unsigned int nb = gridDim.x;
-    const unsigned int g = p == 0 ? blockIdx.x + 3 * nb : raw == ~0u ? groups : 4 * nb + raw;
-    raw = g < groups ? atomicInc(tickets, groups - 3 * nb - 1) : ~0u;
+    if (raw != ~0u) pending = 4 * nb + raw;  // taken an iteration ago: it has arrived
+    raw = pending < groups ? atomicInc(tickets, groups - 3 * nb - 1) : ~0u;
+    return pending;
+  }
+  // every thread, after the row's barrier: the group of the next iteration; `later` (the one
+  // handed on this iteration) after the two it holds
+  __device__ __forceinline__ unsigned int advance(unsigned int later) {
+    const unsigned int g = nxt;
+    nxt = nxt2;
+    nxt2 = later;
     return g;
   }
-  // thread 0, in iteration p: hands the group of iteration p + 3 on to its block
-  __device__ __forceinline__ void hand_on(int p, unsigned int g) { ring[(p + 3) & 3] = g; }
 };
 
 // Sums over the CL blocks of a thread-block cluster (CUDA sm_90 on): rows longer than one block
@@ -445,16 +448,20 @@ __device__ __forceinline__ void cluster_sync() {
 // an option). Two buffers alternate by row; a block can write a buffer again (two rows later)
 // only after every block sent the sums of the row in between, which each sends after the block
 // barrier of its row_allreduce, so after all its threads read that buffer.
-// With a group (dynamic rows, norm_bwd.cu), rank 0 also sends it to every block, counted on
-// the same mbarrier.
-template <int CL, int K, typename C> struct __align__(16) ClusterExchange {
+// With groups (G: dynamic rows, norm_bwd.cu), rank 0 also sends a group of rows to every block,
+// counted on the same mbarrier (the static kernels keep the exchange without it).
+template <int CL, int K, typename C, bool G> struct __align__(16) ClusterExchange {
   C recv[2][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
   unsigned long long bar[2];  // mbarrier per buffer: one arrival and CL * K values to complete
-  unsigned int group[2];      // per buffer: rank 0's group of rows
 };
-template <int CL, int K, typename C>
-__device__ __forceinline__ ClusterExchange<CL, K, C>& cluster_exchange() {
-  __shared__ ClusterExchange<CL, K, C> x;
+template <int CL, int K, typename C> struct __align__(16) ClusterExchange<CL, K, C, true> {
+  C recv[2][CL][K];
+  unsigned long long bar[2];
+  unsigned int group[2];  // per buffer: rank 0's group of rows
+};
+template <int CL, int K, typename C, bool G>
+__device__ __forceinline__ ClusterExchange<CL, K, C, G>& cluster_exchange() {
+  __shared__ ClusterExchange<CL, K, C, G> x;
   return x;
 }
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
@@ -582,9 +589,10 @@ template <int XC, typename C> struct ClusterSums {
 
 // Before the first cluster_allreduce: the mbarriers initialized, and visible to the cluster
 // before any block stores into another.
-template <int CL, int K, typename C> __device__ __forceinline__ void cluster_allreduce_init() {
+template <int CL, int K, typename C, bool G>
+__device__ __forceinline__ void cluster_allreduce_init() {
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C>();
+  auto& x = cluster_exchange<CL, K, C, G>();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
 #pragma unroll
     for (int b = 0; b < 2; ++b) mbarrier_init(smem_addr(&x.bar[b]));
@@ -596,26 +604,27 @@ template <int CL, int K, typename C> __device__ __forceinline__ void cluster_all
 
 // Sums over the CL blocks of a cluster of this row's K = 2 values (already summed over the
 // block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP).
-// `group` (the same on every block: null or not): rank 0's thread 0 sends *group, and every
-// block's thread 0 has rank 0's in *group after it.
-template <int CL, int K, typename C>
-__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase,
-                                                  unsigned int* group = nullptr) {
+// G: rank 0's thread 0 also sends *group, and every thread's *group is rank 0's after it.
+template <int CL, bool G, int K, typename C>
+__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase, unsigned int* group) {
   static_assert(K == 2, "two row sums");
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C>();
+  auto& x = cluster_exchange<CL, K, C, G>();
   const int b = phase & 1;
   const unsigned int bar = smem_addr(&x.bar[b]);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
     const unsigned int rank = cluster_rank();
-    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C) + (group ? sizeof(*group) : 0)));
+    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C) + (G ? sizeof(*group) : 0)));
     const unsigned int slot = smem_addr(&x.recv[b][rank][0]);
 #pragma unroll
     for (int r = 0; r < CL; ++r) st_async2(cluster_addr(slot, r), v[0], v[1], cluster_addr(bar, r));
-    if (group && rank == 0) {
-      const unsigned int gslot = smem_addr(&x.group[b]);
+    if constexpr (G) {
+      if (rank == 0) {
+        const unsigned int gslot = smem_addr(&x.group[b]);
 #pragma unroll
-      for (int r = 0; r < CL; ++r) st_async1(cluster_addr(gslot, r), *group, cluster_addr(bar, r));
+        for (int r = 0; r < CL; ++r)
+          st_async1(cluster_addr(gslot, r), *group, cluster_addr(bar, r));
+      }
     }
   }
   mbarrier_wait(bar, (unsigned int)(phase >> 1) & 1u);  // this buffer's (phase / 2)-th completion
@@ -625,7 +634,7 @@ __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase,
   for (int r = 0; r < CL; ++r)
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += x.recv[b][r][k];
-  if (group && threadIdx.x == 0 && threadIdx.y == 0) *group = x.group[b];
+  if constexpr (G) *group = x.group[b];
 #else
   cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif

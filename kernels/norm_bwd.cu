@@ -59,7 +59,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   if (CL > 1 && (gridDim.y != CL || blockDim.x <= WARP)) cl_trap();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
-  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C>();
+  // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
+  constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
+  constexpr bool DYNAMIC = DYN && STAGED && XC == 1;
+  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C, DYNAMIC>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
@@ -67,7 +70,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // (_launch.py); a launch with less traps. A compile-time choice: the two paths in one kernel
   // (chosen by the launch's shared memory) made both slower, 131072x4096 bf16 1190 us against
   // 957 staged and 1019 direct (S6-4: ptxas spilled 12 bytes in the loop).
-  constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
   // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
@@ -132,24 +134,27 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // them and sends each to its blocks with a row's sums (cluster_allreduce). A kernel of its own:
   // the static kernels keep their registers. S15-4: 16384x8192 bf16 222.5 us static against
   // 219.0 dynamic, 131072x4096 873 against 859.
-  constexpr bool DYNAMIC = DYN && STAGED && XC == 1;
   if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP)) cl_trap();
-  RowTickets rt{tickets, nullptr, (unsigned int)((M + blockDim.y - 1) / blockDim.y)};  // < 2^31
-  if constexpr (DYNAMIC) {  // (no shared memory in the static kernels)
-    __shared__ unsigned int ring[4];
-    rt.ring = ring;
+  RowTickets rt(tickets, (unsigned int)((M + blockDim.y - 1) / blockDim.y));  // < 2^31 groups
+  unsigned int* btick = nullptr;  // a block's hand-on: two slots, alternating by row
+  if constexpr (DYNAMIC && CL == 1) {  // (no shared memory in the static kernels)
+    __shared__ unsigned int slots[2];
+    btick = slots;
   }
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; ++phase) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     C mu, rs;
+    unsigned int handed = 0;  // DYNAMIC clusters: rank 0's group, received with the sums
     if constexpr (STAGED) {
       mu = mu_next;
       rs = rs_next;
-      prefetch(DYNAMIC ? (cl_i64)rt.group(phase + 1) * blockDim.y + threadIdx.y : row + step,
+      prefetch(DYNAMIC ? (cl_i64)rt.nxt * blockDim.y + threadIdx.y : row + step,
                (phase + 1) & 1, mu_next, rs_next);
-      if (DYNAMIC && CL == 1 && tid == 0) rt.hand_on(phase, rt.take(phase));
+      // a slot is written again two rows later, after the barrier every thread passes once it
+      // has read it
+      if (DYNAMIC && CL == 1 && tid == 0) btick[phase & 1] = rt.take();
     } else {
       stats(row, mu, rs);
     }
@@ -209,9 +214,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     } else {
       row_allreduce<WARP>(s, phase);
       if constexpr (CL > 1) {  // the other tiles' sums; DYNAMIC: rank 0's group with them
-        unsigned int g = DYNAMIC && tid == 0 && blockIdx.y == 0 ? rt.take(phase) : 0u;
-        cluster_allreduce<CL>(s, phase, DYNAMIC ? &g : nullptr);
-        if (DYNAMIC && tid == 0) rt.hand_on(phase, g);
+        handed = DYNAMIC && tid == 0 && blockIdx.y == 0 ? rt.take() : 0u;
+        cluster_allreduce<CL, DYNAMIC>(s, phase, &handed);
       }
     }
     if (dx && valid) {
@@ -229,7 +233,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         store_vec<VEC>(dxr + col, o);
       }
     }
-    base = DYNAMIC ? (cl_i64)rt.group(phase + 1) * blockDim.y : base + step;
+    if constexpr (DYNAMIC) {  // after the row's barrier (and exchange): the taker's group
+      base = (cl_i64)rt.advance(CL > 1 ? handed : btick[phase & 1]) * blockDim.y;
+    } else {
+      base += step;
+    }
   }
 
   async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused

@@ -155,10 +155,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   // one keeps its registers (S16-1: 150 -> 166 us at 4096x32768 f16 with both in one).
   constexpr bool DYNAMIC = DYN && STAGED;
   if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP)) cl_trap();
-  RowTickets rt{tickets, nullptr, (unsigned int)((M + blockDim.y - 1) / blockDim.y)};  // < 2^31
+  RowTickets rt(tickets, (unsigned int)((M + blockDim.y - 1) / blockDim.y));  // < 2^31 groups
+  unsigned int* btick = nullptr;  // the hand-on: two slots, alternating by row (as the backward)
   if constexpr (DYNAMIC) {  // (no shared memory in the static kernel)
-    __shared__ unsigned int ring[4];
-    rt.ring = ring;
+    __shared__ unsigned int slots[2];
+    btick = slots;
   }
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
@@ -170,9 +171,9 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       if constexpr (STAGED) {  // one chunk: phase counts rows
-        prefetch(DYNAMIC ? (cl_i64)rt.group(it + 1) * blockDim.y + threadIdx.y : row + step,
+        prefetch(DYNAMIC ? (cl_i64)rt.nxt * blockDim.y + threadIdx.y : row + step,
                  (phase + 1) & 1);
-        if (DYNAMIC && tid == 0) rt.hand_on(it, rt.take(it));
+        if (DYNAMIC && tid == 0) btick[it & 1] = rt.take();
         async_wait<1>();  // this row's copies have landed; the next row's stay in flight
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
@@ -198,7 +199,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
                                         y + row * N, hg, hb);
     }
-    base = DYNAMIC ? (cl_i64)rt.group(it + 1) * blockDim.y : base + step;
+    if constexpr (DYNAMIC) {  // after the row's statistics (their barrier): thread 0's group
+      base = (cl_i64)rt.advance(btick[it & 1]) * blockDim.y;
+    } else {
+      base += step;
+    }
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
 }

@@ -296,14 +296,15 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,stage,meant", [
-    (1000, 32768, F16, F32, "auto", True), (20000, 4096, BF16, BF16, "always", True),
-    (40000, 1024, F32, F32, "always", True), (300, 32768, F16, F16, "auto", False),
+    (600, 32768, F16, F32, "auto", True), (1100, 16384, BF16, BF16, "always", True),
+    (600, 16384, F32, F32, "always", True), (300, 32768, F16, F16, "auto", False),
     (5000, 96, F16, F16, "always", False)])
 def test_dynamic_rows_of_the_staged_forward(plans, op, M, N, dt, wdt, stage, meant):
     """Staged forward rows taken from a ticket counter (FWD_DYNAMIC) against static rows: the
     plan is dynamic exactly where staged rows span warps; repeated calls (the counter must come
     back to zero after each launch, or the next would drop or repeat rows) match the reference
-    and are bitwise the static rows' outputs (a row's outputs do not depend on its block).
+    and are bitwise the static rows' outputs (a row's outputs do not depend on its block; the
+    reference is compared once, with the first static call, the rest bitwise on the device).
     `meant`: the case takes tickets where the device stages rows (300x32768 has too few rows
     for tickets, 5000x96 rows within a warp)."""
     from cupyln import _launch
@@ -326,15 +327,14 @@ def test_dynamic_rows_of_the_staged_forward(plans, op, M, N, dt, wdt, stage, mea
     for on in (True, False):
         plans.replan(FWD_DYNAMIC=on, FWD_STAGE=stage)
         outs[on] = [fwd() for _ in range(3)]
-        for got in outs[on]:
-            for a, w, name in zip(got, want, names, strict=True):
-                assert_close(a, w, name)
         (plan,) = plans
         staged_wide = plan.variant.startswith("fwd_staged") and plan.block[0] > warp
         assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block)
         assert plan.dynamic == (plan.variant == "fwd_staged_dyn"), plan.variant
         if meant and _launch.device_info(x.device.id).async_copy:
             assert plan.dynamic or not on, (plan.variant, plan.block)
+    for a, w, name in zip(outs[False][0], want, names, strict=True):
+        assert_close(a, w, name)
     for got in outs[True] + outs[False][1:]:
         for a, c in zip(got, outs[False][0], strict=True):
             assert cp.array_equal(a, c)
@@ -352,8 +352,9 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
     deterministic=True): the plan is dynamic exactly where staged rows span warps; every one of
     several calls matches the reference (the counter must come back to zero after each launch,
     or the next would drop or repeat rows), with dgamma/dbeta or without them (dx alone: the
-    tickets are the only scratch); dx is bitwise the static rows' (rows are independent), and
-    deterministic calls are bitwise repeatable either way. `meant`: the variant the case is
+    tickets are the only scratch); dx is bitwise the static rows' (rows are independent; the
+    reference checks it once, the rest is compared on the device), and deterministic calls are
+    bitwise repeatable either way. `meant`: the variant the case is
     meant to take with tickets, where the device has it; 1000x1024 takes too few rows for
     tickets (static groups only), 5000x96 has rows within a warp (static)."""
     from cupyln import _launch
@@ -375,8 +376,9 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
             return cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dbeta=params, **kw)
         return cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
 
-    def check(outs, params=True):
-        assert_close(outs[0], want[0], "dx", floor)
+    def check(outs, params=True, dx=True):
+        if dx:
+            assert_close(outs[0], want[0], "dx", floor)
         for out, w, name in zip(outs[1:], want[1:], ("dgamma", "dbeta")[:len(want) - 1],
                                 strict=True):
             if params:
@@ -389,9 +391,9 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
     for on in (True, False):
         plans.replan(BWD_DYNAMIC=on)
         dxs[on] = []
-        for params in (True, True, False, True):
+        for i, params in enumerate((True, True, False, True)):
             outs = bwd(False, params)
-            check(outs, params)
+            check(outs, params, dx=i == 0 and not on)
             dxs[on].append(outs[0])
         plan = plans[0]
         staged_wide = plan.variant in _launch.BWD_DYNAMIC_VARIANTS and plan.block[0] > warp
@@ -400,7 +402,7 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
         if meant and info.async_copy and (info.clusters or meant == "bwd_staged"):
             assert plan.variant == meant and staged_wide, (plan.variant, plan.block)
         det[on] = [bwd(True) for _ in range(2)]
-        check(det[on][0])
+        check(det[on][0], dx=False)
     for a in dxs[True] + dxs[False][1:]:
         assert cp.array_equal(a, dxs[False][0])
     for outs in det[True] + det[False][1:]:
