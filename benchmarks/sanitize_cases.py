@@ -28,7 +28,6 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 600, 4096, "float16", "float32"),
     ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
     ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
-    ("rmsnorm", 400, 16384, "float16", None),        # the same, of clusters (sm_90)
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
 ]
 

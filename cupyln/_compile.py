@@ -54,8 +54,6 @@ class Spec(NamedTuple):
             ln = "true" if self.is_ln else "false"
             names = {"fwd": f"norm_fwd<{a}, false, false, false>",
                      "fwd_staged": f"norm_fwd<{a}, true, false, false>",
-                     # staged rows from tickets (see FWD_DYNAMIC)
-                     "fwd_staged_dyn": f"norm_fwd<{a}, true, false, false, true>",
                      "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
             # gamma/beta loaded with the row (one vector per thread: "fwd" does already). Built
             # for 4-byte and wider types only: 2-byte ones spilled and lost everywhere (S10-1).
@@ -83,8 +81,6 @@ class Spec(NamedTuple):
             if self.tiles > 1:  # in clusters of `tiles` blocks
                 names["bwd_cluster"] = f"norm_bwd_cluster<{a}, false, {self.tiles}>"
                 names["bwd_cluster_staged"] = f"norm_bwd_cluster<{a}, true, {self.tiles}>"
-                names["bwd_cluster_staged_dyn"] = (
-                    f"norm_bwd_cluster<{a}, true, {self.tiles}, true>")
         return names
 
     def __str__(self):

@@ -58,10 +58,6 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
-# Staged forward rows taken from a ticket counter (the "fwd_staged_dyn" kernel; RowTickets in
-# kernels/common.cuh; a row's outputs do not depend on the block that computes it) where rows
-# span warps. False: static rows (tests, tuning).
-FWD_DYNAMIC = True
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
 # two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves)
@@ -131,18 +127,16 @@ CSUM_BLOCKS, BWD_CLUSTER_SUMS = 8, True
 # "auto" stages where blocks loop over rows that span warps; "always" / "never" (tests, tuning)
 # wherever it can / nowhere.
 BWD_STAGE = "auto"
-# Staged backward rows taken dynamically (a ticket counter; the "_dyn" kernels, the plan's
-# launch["bwd_dyn"]; RowTickets in kernels/common.cuh) where dgamma/dbeta need not be bitwise
-# repeatable (deterministic=False): which block sums which rows then depends on timing. S15-4
-# (tune.py, us, static / dynamic, two rounds): 16384x8192 bf16 222.1, 222.9 / 218.5, 219.6,
-# RMSNorm 220.8, 220.9 / 216.3, 217.7, 131072x4096 874.1, 872.5 / 859.1, 858.6; 4096x4096,
-# 4096x8192 and 4096x1024 f16 within the rounds' spread.
-# Rows within a warp (no block barrier per row) and grids of 2^31 groups of rows or more keep
-# static rows. False: static rows everywhere (tests, tuning). The variants that take them:
-# staged blocks, and staged clusters (rank 0 takes the tickets and sends each to its cluster's
-# blocks with a row's sums).
+# Staged backward rows taken dynamically (a ticket counter; the "bwd_staged_dyn" kernel, the
+# plan's launch["bwd_dyn"]; RowTickets in kernels/common.cuh) where dgamma/dbeta need not be
+# bitwise repeatable (deterministic=False): which block sums which rows then depends on timing.
+# S16-3 (tune.py, us, static / dynamic, two rounds): 16384x8192 bf16 222.3, 221.5 / 217.5,
+# 218.4, RMSNorm 220.3, 218.8 / 214.4, 215.1, 131072x4096 872.7, 871.5 / 842.0, 841.8, 4096x8192
+# f16 70.3, 69.2 / 68.0, 68.6. Rows within a warp (no block barrier per row) and grids of 2^31
+# groups of rows or more keep static rows. Not the clusters, nor the staged forward: with the
+# same tickets they were slower (S16-3: 4096x16384 clusters 123 -> 128 us, 4096x32768 240 ->
+# 262, forward 149 -> 164, its 64 registers spilling). False: static rows (tests, tuning).
 BWD_DYNAMIC = True
-BWD_DYNAMIC_VARIANTS = ("bwd_staged", "bwd_cluster_staged")
 TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vectors per thread
 # Long-row backward on sm_90: thread-block clusters of CLUSTER_TILES column tiles (a template
 # argument of the kernel: Spec.tiles) of CLUSTER_NPT vectors per thread, which add their tiles'
@@ -306,13 +300,13 @@ class Plan:
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
-        # staged rows taken from a ticket counter: the forward's variant (FWD_DYNAMIC), or the
-        # backward's launch["bwd_dyn"] for calls that need not be deterministic (BWD_DYNAMIC)
+        # the backward's staged rows from a ticket counter (launch["bwd_dyn"], for calls that
+        # need not be deterministic; BWD_DYNAMIC)
         self.dynamic = dynamic
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
-_FWD_ARGS = "pipppppiiXp"
+_FWD_ARGS = "pipppppiiX"
 _BWD_ARGS = "pipipppppppppppii"
 _ROWSUMS_ARGS = "pipippppii"
 _REDUCE_ARGS = "piipp"
@@ -347,16 +341,13 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         alone = _blocks_per_sm(kerns[main], threads, 0, info) == 1
         if _stages(FWD_STAGE, alone and M > resident * g.rpb):
             main, smem = "fwd_staged", stage
-            if _dynamic(FWD_DYNAMIC, block, M, info):
-                main = "fwd_staged_dyn"  # rows from tickets (see FWD_DYNAMIC)
-                resident = info.sms * _blocks_per_sm(kerns[main], threads, stage, info)
             grid = (min(_cdiv(M, g.rpb), resident),)
     if main == "fwd" and "fwd_early" in kerns and FWD_EARLY:
         main = "fwd_early"  # gamma/beta with the row (see FWD_EARLY)
     if main + "_full" in kerns and FWD_FULL and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"  # every thread's vectors lie in the row (see FWD_FULL)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, main, kerns[main], grid, block, smem, launch, main == "fwd_staged_dyn")
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
@@ -440,10 +431,13 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     else:
         smem = colsum
     # the same rows from tickets, for calls that need not be deterministic (see BWD_DYNAMIC): a
-    # kernel of its own, on the grid that both fit
-    dyn = (main + "_dyn" if main in BWD_DYNAMIC_VARIANTS and _dynamic(BWD_DYNAMIC, block, M, info)
-           else None)
-    if dyn:
+    # kernel of its own, on the grid that both fit; its rows span warps (the reductions' block
+    # barrier orders the tickets' hand-on), in one column tile (one counter, one set of rows),
+    # fewer than 2^31 groups (counted in 32 bits)
+    dyn = None
+    if (BWD_DYNAMIC and main == "bwd_staged" and block[0] > info.warp and tiles == 1
+            and _cdiv(M, block[1]) < 2**31):
+        dyn = "bwd_staged_dyn"
         grid = min(grid, grid_of(kerns[dyn], smem))
     if not g.fits and not cluster:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // ROWSUMS_TPR) * 4),)
@@ -461,13 +455,6 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         launch["bwd_dyn"] = Launcher(kerns[dyn], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch, dyn is not None)
 
-
-def _dynamic(on, block, M, info):
-    """Whether staged rows may come from tickets (RowTickets in kernels/common.cuh): ``on``
-    (FWD_DYNAMIC / BWD_DYNAMIC), rows wider than a warp (the reductions' block barrier orders
-    the tickets' hand-on) and fewer than 2^31 groups of rows (the kernels count them in 32
-    bits)."""
-    return on and block[0] > info.warp and _cdiv(M, block[1]) < 2**31
 
 
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
@@ -698,19 +685,14 @@ class _on_device:
 
 
 class _HotFwd:
-    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext",
-                 "dynamic", "scratch_only")
+    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
         self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
-        new = [p for i, p in enumerate(parts) if self.given is None or not self.given[i]]
-        # dynamic rows: the ticket counter's scratch of its own while a graph is being captured
-        # (see _atomic_scratch), after the outputs
-        self.dynamic = plan.dynamic
-        self.layout = _Layout(new, [_ACC_OFFSET] if self.dynamic else [])
-        self.scratch_only = self.dynamic and not new
+        self.layout = _Layout([p for i, p in enumerate(parts)
+                               if self.given is None or not self.given[i]])
         self.consts = (ldx, M, N, eps)
         self.ext = _Extents()
         v = plan.spec.vec
@@ -723,7 +705,7 @@ class _HotFwd:
         xp = x.data.ptr
         gp = 0 if gamma is None else gamma.data.ptr
         bp = 0 if beta is None else beta.data.ptr
-        outs, mem = self.layout.make()
+        outs = self.layout.make()[0]
         if self.given:
             outs = _fill(out, outs)
         y, rstd = outs[0], outs[-1]
@@ -734,14 +716,7 @@ class _HotFwd:
         if self.given and self.ext.overlap(out, (x, gamma, beta), (xp, gp, bp, *map(_ptr, out))):
             return None
         ldx, M, N, eps = self.consts
-        stream = _current_stream().ptr
-        tk = 0
-        if self.dynamic:
-            own = mem.ptr + self.layout.scratch[0]
-            if self.scratch_only and _is_capturing(stream):
-                _CAPTURED.append(mem)  # replays write to it, and no output keeps it (as _HotBwd)
-            tk = _atomic_scratch(self.dev, stream, _ACC_OFFSET, own) + _TICKETS
-        self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, tk)
+        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps)
         return (y, mean, rstd) if self.is_ln else (y, rstd)
 
 
@@ -833,7 +808,7 @@ class _HotBwd:
 
 _NONE3 = (None, None, None)
 _ACC_OFFSET = 256  # the counters (the last block's, the rows' tickets), then the sums (aligned)
-_TICKETS = 4  # the rows' ticket counter (forward and backward), after the last block's
+_TICKETS = 4  # the rows' ticket counter, after the last block's
 _SCRATCH = {}  # (device, stream) -> zeroed memory of the flushes by the last block
 
 

@@ -378,30 +378,30 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   }
 }
 
-// Rows of a grid of resident blocks (or clusters: gridDim.x of them) taken dynamically: block
-// b of nb takes groups (of rows; `groups` in all, < 2^31) b, b + nb, b + 2nb and b + 3nb in its
-// iterations 0-3, then group 4nb + t for each ticket t that its taker (thread 0, of rank 0 in a
-// cluster) takes from `tickets` (zeroed). A fast block takes more groups than a slow one; a
+// Rows of a grid of resident blocks taken dynamically (the staged backward where it need not be
+// deterministic): block b of nb takes groups (of rows; `groups` in all, < 2^31) b, b + nb,
+// b + 2nb and b + 3nb in its iterations 0-3, then group 4nb + t for each ticket t that its
+// thread 0 takes from `tickets` (zeroed). A fast block takes more groups than a slow one; a
 // static assignment cannot follow SMs of different speeds (resident forward grids, S15-2: 5-12%
-// slower than one-row blocks with static rows, 1-2% with these). In iteration p the taker
-// takes (take) the group of iteration p + 3, from the ticket it took in iteration p - 1, so the
-// ticket's round trip never holds up a row (taken in the same iteration, a backward ran 13%
-// slower than static rows, S15-3). The kernel hands it on to all its threads before the row's
-// reduction barrier (through shared memory, or with a cluster's row sums), and every thread
-// moves on (advance) after that barrier. The next two groups stay in registers: kept in shared
-// memory instead (a ring of 4 slots), the backward ran 18-32% slower (S16-2). A taker stops
-// after its first ticket past the last group, so a launch takes exactly groups - 3nb tickets,
-// and atomicInc's wrap leaves the counter at 0 for the next launch.
+// slower than one-row blocks with static rows, 1-2% with tickets). In each iteration thread 0
+// takes (take) the group of the iteration after the next two, from the ticket it took an
+// iteration earlier, so the ticket's round trip never holds up a row (taken in the same
+// iteration, a backward ran 13% slower than static rows, S15-3); the kernel hands it on to its
+// threads through shared memory before the row's reduction barrier, and every thread moves on
+// (advance) after that barrier. The next two groups stay in registers: kept in shared memory
+// instead (a ring of 4 slots), the backward ran 18-32% slower (S16-2). Thread 0 stops after its
+// first ticket past the last group, so a launch takes exactly groups - 3nb tickets, and
+// atomicInc's wrap leaves the counter at 0 for the next launch.
 struct RowTickets {
   unsigned int* tickets;
   unsigned int groups;
   unsigned int nxt, nxt2;  // the groups of the next two iterations
-  unsigned int pending, raw;  // taker: the group of iteration p + 3, the last ticket (~0u: none)
+  unsigned int pending, raw;  // thread 0: the group after those, the last ticket (~0u: none)
   __device__ __forceinline__ RowTickets(unsigned int* t, unsigned int g)
       : tickets(t), groups(g), nxt(blockIdx.x + gridDim.x), nxt2(blockIdx.x + 2 * gridDim.x),
         pending(blockIdx.x + 3 * gridDim.x), raw(~0u) {}
-  // taker, each iteration: the group of the iteration after the next two; takes the ticket of
-  // the one after that
+  // thread 0, each iteration: the group of the iteration after the next two; takes the ticket
+  // of the one after that
   __device__ __forceinline__ unsigned int take() {
     const unsigned int nb = gridDim.x;
     if (raw != ~0u) pending = 4 * nb + raw;  // taken an iteration ago: it has arrived
@@ -448,20 +448,13 @@ __device__ __forceinline__ void cluster_sync() {
 // an option). Two buffers alternate by row; a block can write a buffer again (two rows later)
 // only after every block sent the sums of the row in between, which each sends after the block
 // barrier of its row_allreduce, so after all its threads read that buffer.
-// With groups (G: dynamic rows, norm_bwd.cu), rank 0 also sends a group of rows to every block,
-// counted on the same mbarrier (the static kernels keep the exchange without it).
-template <int CL, int K, typename C, bool G> struct __align__(16) ClusterExchange {
+template <int CL, int K, typename C> struct __align__(16) ClusterExchange {
   C recv[2][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
   unsigned long long bar[2];  // mbarrier per buffer: one arrival and CL * K values to complete
 };
-template <int CL, int K, typename C> struct __align__(16) ClusterExchange<CL, K, C, true> {
-  C recv[2][CL][K];
-  unsigned long long bar[2];
-  unsigned int group[2];  // per buffer: rank 0's group of rows
-};
-template <int CL, int K, typename C, bool G>
-__device__ __forceinline__ ClusterExchange<CL, K, C, G>& cluster_exchange() {
-  __shared__ ClusterExchange<CL, K, C, G> x;
+template <int CL, int K, typename C>
+__device__ __forceinline__ ClusterExchange<CL, K, C>& cluster_exchange() {
+  __shared__ ClusterExchange<CL, K, C> x;
   return x;
 }
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
@@ -510,10 +503,6 @@ __device__ __forceinline__ void st_async1(unsigned int a, float v, unsigned int 
 __device__ __forceinline__ void st_async1(unsigned int a, double v, unsigned int bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f64 [%0], %1, [%2];"
                ::"r"(a), "d"(v), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void st_async1(unsigned int a, unsigned int v, unsigned int bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];"
-               ::"r"(a), "r"(v), "r"(bar) : "memory");
 }
 #endif
 
@@ -589,10 +578,9 @@ template <int XC, typename C> struct ClusterSums {
 
 // Before the first cluster_allreduce: the mbarriers initialized, and visible to the cluster
 // before any block stores into another.
-template <int CL, int K, typename C, bool G>
-__device__ __forceinline__ void cluster_allreduce_init() {
+template <int CL, int K, typename C> __device__ __forceinline__ void cluster_allreduce_init() {
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C, G>();
+  auto& x = cluster_exchange<CL, K, C>();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
 #pragma unroll
     for (int b = 0; b < 2; ++b) mbarrier_init(smem_addr(&x.bar[b]));
@@ -604,28 +592,18 @@ __device__ __forceinline__ void cluster_allreduce_init() {
 
 // Sums over the CL blocks of a cluster of this row's K = 2 values (already summed over the
 // block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP).
-// G: rank 0's thread 0 also sends *group, and every thread's *group is rank 0's after it.
-template <int CL, bool G, int K, typename C>
-__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase, unsigned int* group) {
+template <int CL, int K, typename C>
+__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
   static_assert(K == 2, "two row sums");
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C, G>();
+  auto& x = cluster_exchange<CL, K, C>();
   const int b = phase & 1;
   const unsigned int bar = smem_addr(&x.bar[b]);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    const unsigned int rank = cluster_rank();
-    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C) + (G ? sizeof(*group) : 0)));
-    const unsigned int slot = smem_addr(&x.recv[b][rank][0]);
+    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C)));
+    const unsigned int slot = smem_addr(&x.recv[b][cluster_rank()][0]);
 #pragma unroll
     for (int r = 0; r < CL; ++r) st_async2(cluster_addr(slot, r), v[0], v[1], cluster_addr(bar, r));
-    if constexpr (G) {
-      if (rank == 0) {
-        const unsigned int gslot = smem_addr(&x.group[b]);
-#pragma unroll
-        for (int r = 0; r < CL; ++r)
-          st_async1(cluster_addr(gslot, r), *group, cluster_addr(bar, r));
-      }
-    }
   }
   mbarrier_wait(bar, (unsigned int)(phase >> 1) & 1u);  // this buffer's (phase / 2)-th completion
 #pragma unroll
@@ -634,7 +612,6 @@ __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase, unsigned
   for (int r = 0; r < CL; ++r)
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += x.recv[b][r][k];
-  if constexpr (G) *group = x.group[b];
 #else
   cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif

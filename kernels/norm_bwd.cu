@@ -13,10 +13,9 @@
 // Rows that fit in the blocks of one cluster at once (sm_90) run there instead (norm_bwd_csum):
 // the blocks sum dgamma/dbeta among themselves through distributed shared memory, in a fixed
 // order, with no scratch.
-// The DYN kernels (staged blocks or clusters, given a zeroed row ticket counter `tickets`; the
-// host's choice where dgamma/dbeta need not be bitwise repeatable) take their rows dynamically,
-// so a fast block takes more rows than a slow one; otherwise block b takes rows b, b + G, ...
-// (bwd_rows).
+// The DYN kernel (staged blocks, given a zeroed row ticket counter `tickets`; the host's choice
+// where dgamma/dbeta need not be bitwise repeatable) takes its rows dynamically, so a fast block
+// takes more rows than a slow one; otherwise block b takes rows b, b + G, ... (bwd_rows).
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
 // after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
@@ -61,8 +60,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
-  constexpr bool DYNAMIC = DYN && STAGED && XC == 1;
-  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C, DYNAMIC>();
+  constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
+  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
@@ -130,14 +129,14 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   C mu_next, rs_next;
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0, mu_next, rs_next);
   // DYN: staged rows from tickets (RowTickets; the host's variant for deterministic=False, with
-  // rows wider than a warp, whose reductions have a block barrier). A cluster's rank 0 takes
-  // them and sends each to its blocks with a row's sums (cluster_allreduce). A kernel of its own:
-  // the static kernels keep their registers. S15-4: 16384x8192 bf16 222.5 us static against
-  // 219.0 dynamic, 131072x4096 873 against 859.
-  if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP)) cl_trap();
+  // rows wider than a warp, whose reductions have a block barrier, and one column tile: one
+  // counter serves one set of rows). A kernel of its own: the static kernels keep their
+  // registers (S16-1: with both in one, the static path ran up to 10% slower). S16-3: 16384x8192
+  // bf16 222 us static against 218 dynamic, 131072x4096 872 against 842.
+  if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP || gridDim.y != 1)) cl_trap();
   RowTickets rt(tickets, (unsigned int)((M + blockDim.y - 1) / blockDim.y));  // < 2^31 groups
-  unsigned int* btick = nullptr;  // a block's hand-on: two slots, alternating by row
-  if constexpr (DYNAMIC && CL == 1) {  // (no shared memory in the static kernels)
+  unsigned int* btick = nullptr;  // the hand-on: two slots, alternating by row
+  if constexpr (DYNAMIC) {  // (no shared memory in the static kernels)
     __shared__ unsigned int slots[2];
     btick = slots;
   }
@@ -146,7 +145,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     C mu, rs;
-    unsigned int handed = 0;  // DYNAMIC clusters: rank 0's group, received with the sums
     if constexpr (STAGED) {
       mu = mu_next;
       rs = rs_next;
@@ -154,7 +152,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
                (phase + 1) & 1, mu_next, rs_next);
       // a slot is written again two rows later, after the barrier every thread passes once it
       // has read it
-      if (DYNAMIC && CL == 1 && tid == 0) btick[phase & 1] = rt.take();
+      if (DYNAMIC && tid == 0) btick[phase & 1] = rt.take();
     } else {
       stats(row, mu, rs);
     }
@@ -213,10 +211,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
-      if constexpr (CL > 1) {  // the other tiles' sums; DYNAMIC: rank 0's group with them
-        handed = DYNAMIC && tid == 0 && blockIdx.y == 0 ? rt.take() : 0u;
-        cluster_allreduce<CL, DYNAMIC>(s, phase, &handed);
-      }
+      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase);  // the other tiles' sums
     }
     if (dx && valid) {
       // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
@@ -233,8 +228,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         store_vec<VEC>(dxr + col, o);
       }
     }
-    if constexpr (DYNAMIC) {  // after the row's barrier (and exchange): the taker's group
-      base = (cl_i64)rt.advance(CL > 1 ? handed : btick[phase & 1]) * blockDim.y;
+    if constexpr (DYNAMIC) {  // after the row's reduction barrier: thread 0's group
+      base = (cl_i64)rt.advance(btick[phase & 1]) * blockDim.y;
     } else {
       base += step;
     }
@@ -359,11 +354,10 @@ CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in
 // that many blocks; CL is its CLUSTER_TILES); elsewhere norm_bwd_rowsums, then norm_bwd on
 // column tiles.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool DYN = false>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false, 1, DYN>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers

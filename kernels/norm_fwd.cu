@@ -112,13 +112,12 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // one chunk): every thread's vectors lie below N, so the loads, the centred pass and the stores
 // test no column (fewer instructions and registers: see FWD_FULL in _launch.py).
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP, bool FULL = false, bool DYN = false>
+          int NPT, int WARP, bool FULL = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
-                                         typename Acc<T>::type eps,
-                                         unsigned int* __restrict__ tickets) {
+                                         typename Acc<T>::type eps) {
   typedef typename Acc<T>::type C;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
@@ -150,30 +149,16 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   };
   if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
-  // DYN: staged rows from tickets (RowTickets, as the backward's; the host's variant for rows
-  // wider than a warp, whose statistics have a block barrier). A kernel of its own: the static
-  // one keeps its registers (S16-1: 150 -> 166 us at 4096x32768 f16 with both in one).
-  constexpr bool DYNAMIC = DYN && STAGED;
-  if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP)) cl_trap();
-  RowTickets rt(tickets, (unsigned int)((M + blockDim.y - 1) / blockDim.y));  // < 2^31 groups
-  unsigned int* btick = nullptr;  // the hand-on: two slots, alternating by row (as the backward)
-  if constexpr (DYNAMIC) {  // (no shared memory in the static kernel)
-    __shared__ unsigned int slots[2];
-    btick = slots;
-  }
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M;) {
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
-    const int it = phase;  // staged (one chunk): the row's iteration
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       if constexpr (STAGED) {  // one chunk: phase counts rows
-        prefetch(DYNAMIC ? (cl_i64)rt.nxt * blockDim.y + threadIdx.y : row + step,
-                 (phase + 1) & 1);
-        if (DYNAMIC && tid == 0) btick[it & 1] = rt.take();
+        prefetch(row + step, (phase + 1) & 1);
         async_wait<1>();  // this row's copies have landed; the next row's stay in flight
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
@@ -199,11 +184,6 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
                                         y + row * N, hg, hb);
     }
-    if constexpr (DYNAMIC) {  // after the row's statistics (their barrier): thread 0's group
-      base = (cl_i64)rt.advance(btick[it & 1]) * blockDim.y;
-    } else {
-      base += step;
-    }
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
 }
@@ -211,18 +191,18 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
 #define CLN_FWD_PARAMS                                                                        \
   const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
-      cl_i64 N, typename Acc<T>::type eps, unsigned int *__restrict__ tickets
+      cl_i64 N, typename Acc<T>::type eps
 
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
-          bool FULL, bool DYN = false>
+          bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL, DYN>(
-      x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps, tickets);
+  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
+                                                                rstd_out, M, N, eps);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
   fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
-                                                       M, N, eps, tickets);
+                                                       M, N, eps);
 }

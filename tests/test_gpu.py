@@ -283,7 +283,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         (plan,) = plans
         grids[mode] = plan.grid
         dynamic |= pass_ == "bwd" and plan.dynamic
-        staged = "_staged" in plan.variant
+        staged = plan.variant.endswith("_staged")
         chunked = plan.variant == "fwd_chunked"
         can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
         assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
@@ -295,68 +295,22 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
-@pytest.mark.parametrize("M,N,dt,wdt,stage,meant", [
-    (600, 32768, F16, F32, "auto", True), (1100, 16384, BF16, BF16, "always", True),
-    (600, 16384, F32, F32, "always", True), (300, 32768, F16, F16, "auto", False),
-    (5000, 96, F16, F16, "always", False)])
-def test_dynamic_rows_of_the_staged_forward(plans, op, M, N, dt, wdt, stage, meant):
-    """Staged forward rows taken from a ticket counter (FWD_DYNAMIC) against static rows: the
-    plan is dynamic exactly where staged rows span warps; repeated calls (the counter must come
-    back to zero after each launch, or the next would drop or repeat rows) match the reference
-    and are bitwise the static rows' outputs (a row's outputs do not depend on its block; the
-    reference is compared once, with the first static call, the rest bitwise on the device).
-    `meant`: the case takes tickets where the device stages rows (300x32768 has too few rows
-    for tickets, 5000x96 rows within a warp)."""
-    from cupyln import _launch
-
-    xh, _, gh, bh = inputs(M, N, dt, wdt)
-    x, g, b = (cp.asarray(a) for a in (xh, gh, bh))
-    warp = _launch.device_info(x.device.id).warp
-    if op == "ln":
-        want, names = ref.layer_norm_fwd(xh, gh, bh, 1e-5), ("y", "mean", "rstd")
-    else:
-        b, want, names = None, ref.rms_norm_fwd(xh, gh, 1e-6), ("y", "rstd")
-
-    def fwd():
-        if op == "ln":
-            return cupyln.layer_norm_fwd(x, g, b, eps=1e-5)
-        return cupyln.rms_norm_fwd(x, g, eps=1e-6)
-
-    plans.spy("fwd")
-    outs = {}
-    for on in (True, False):
-        plans.replan(FWD_DYNAMIC=on, FWD_STAGE=stage)
-        outs[on] = [fwd() for _ in range(3)]
-        (plan,) = plans
-        staged_wide = plan.variant.startswith("fwd_staged") and plan.block[0] > warp
-        assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block)
-        assert plan.dynamic == (plan.variant == "fwd_staged_dyn"), plan.variant
-        if meant and _launch.device_info(x.device.id).async_copy:
-            assert plan.dynamic or not on, (plan.variant, plan.block)
-    for a, w, name in zip(outs[False][0], want, names, strict=True):
-        assert_close(a, w, name)
-    for got in outs[True] + outs[False][1:]:
-        for a, c in zip(got, outs[False][0], strict=True):
-            assert cp.array_equal(a, c)
-
-
-@pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,meant", [
     (6000, 1024, F16, F32, "bwd_staged"), (20001, 1000, BF16, BF16, "bwd_staged"),
     (3001, 4096, F32, F32, "bwd_staged"), (1000, 1024, F16, F16, None),
     (1500, 8192, BF16, F32, "bwd_staged"), (5000, 96, F32, F32, None),
-    (600, 16384, F16, F32, "bwd_cluster_staged"), (800, 20000, BF16, BF16, "bwd_cluster_staged")])
+    (600, 16384, F16, F32, None)])
 def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
-    """Staged backward rows (of blocks, or of clusters of column tiles) taken from a ticket
-    counter (deterministic=False; BWD_DYNAMIC) against static rows (BWD_DYNAMIC off, or
-    deterministic=True): the plan is dynamic exactly where staged rows span warps; every one of
-    several calls matches the reference (the counter must come back to zero after each launch,
-    or the next would drop or repeat rows), with dgamma/dbeta or without them (dx alone: the
-    tickets are the only scratch); dx is bitwise the static rows' (rows are independent; the
-    reference checks it once, the rest is compared on the device), and deterministic calls are
-    bitwise repeatable either way. `meant`: the variant the case is
-    meant to take with tickets, where the device has it; 1000x1024 takes too few rows for
-    tickets (static groups only), 5000x96 has rows within a warp (static)."""
+    """Staged backward rows taken from a ticket counter (deterministic=False; BWD_DYNAMIC)
+    against static rows (BWD_DYNAMIC off, or deterministic=True): the plan is dynamic exactly
+    where staged blocks of one column tile span warps; every one of several calls matches the
+    reference (the counter must come back to zero after each launch, or the next would drop or
+    repeat rows), with dgamma/dbeta or without them (dx alone: the tickets are the only
+    scratch); dx is bitwise the static rows' (rows are independent; the reference checks it
+    once, the rest is compared on the device), and deterministic calls are bitwise repeatable
+    either way. `meant`: the variant the case is meant to take with tickets, where the device
+    has it; 1000x1024 takes too few rows for tickets (static groups only), 5000x96 has rows
+    within a warp, 600x16384 column tiles (in clusters on sm_90): static rows."""
     from cupyln import _launch
 
     xh, dyh, gh, _ = inputs(M, N, dt, wdt)
@@ -396,10 +350,10 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
             check(outs, params, dx=i == 0 and not on)
             dxs[on].append(outs[0])
         plan = plans[0]
-        staged_wide = plan.variant in _launch.BWD_DYNAMIC_VARIANTS and plan.block[0] > warp
-        assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block)
-        info = _launch.device_info(x.device.id)
-        if meant and info.async_copy and (info.clusters or meant == "bwd_staged"):
+        staged_wide = (plan.variant == "bwd_staged" and plan.block[0] > warp
+                       and plan.grid[1] == 1)
+        assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block, plan.grid)
+        if meant and _launch.device_info(x.device.id).async_copy:
             assert plan.variant == meant and staged_wide, (plan.variant, plan.block)
         det[on] = [bwd(True) for _ in range(2)]
         check(det[on][0], dx=False)
@@ -650,9 +604,9 @@ def test_one_million_columns(op):
 @pytest.mark.parametrize("flush,M,N", [
     *((f, M, N) for M, N in ((300, 1000), (64, 512))
       for f in ("default", "deterministic", "atomic", "last block")),
-    # staged rows from tickets (the backward's where not deterministic), their counter after
-    # the flush's in the scratch; 600x32768: forward rows and backward clusters from tickets
-    ("default", 6000, 1024), ("atomic", 6000, 1024), ("default", 600, 32768)])
+    # staged backward rows from tickets (not deterministic), their counter after the flush's
+    # in the scratch
+    ("default", 6000, 1024), ("atomic", 6000, 1024)])
 def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
     """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on
     another stream while the same signature runs on the capturing one): the results match the
@@ -721,12 +675,12 @@ def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "partials"])
-@pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024), (6000, 1024), (600, 32768)])
+@pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024), (6000, 1024)])
 def test_concurrent_streams_each_get_correct_gradients(monkeypatch, atomic, M, N):
-    """Forwards and backwards whose scratch counters are zeroed once per stream and left zeroed
-    by each launch (the atomic flush's last block and sums; the dynamic staged rows' tickets:
-    backward blocks at 6000x1024, forward blocks and backward clusters at 600x32768) running
-    on several streams at once: every call's outputs are those of its own inputs."""
+    """Backwards whose scratch counters are zeroed once per stream and left zeroed by each
+    launch (the atomic flush's last block and sums; the dynamic staged rows' tickets,
+    6000x1024) running on several streams at once: every call's dgamma/dbeta are those of its
+    own inputs."""
     from cupyln import _launch
 
     monkeypatch.setattr(_launch, "ATOMIC_FLUSH", atomic)

@@ -156,21 +156,20 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
 
 
-@given(st.sampled_from(["fwd", "bwd"]), st.sampled_from(["float16", "bfloat16", "float32"]),
-       st.integers(1, 1 << 20), st.integers(1, 1 << 16), WARPS)
-def test_rows_come_from_tickets_exactly_where_staged_rows_span_warps(pass_, dt, M, N, warp):
-    """A plan takes its rows from tickets (RowTickets) exactly where its blocks stage rows wider
-    than a warp (the tickets are handed on through the reductions' block barrier): the
-    forward's staged variant is then its "_dyn" kernel; the backward keeps the static one for
-    deterministic calls and has the "_dyn" kernel beside it, on the same grid."""
-    plan, built = _plan_without_gpu(pass_, dt, M, N, warp)
-    staged = "_staged" in plan.variant
-    assert plan.dynamic == (staged and plan.block[0] > warp), (plan.variant, plan.block)
-    if pass_ == "fwd":
-        assert plan.variant.endswith("_dyn") == plan.dynamic
-    else:
-        assert ("bwd_dyn" in plan.launch) == plan.dynamic
-        assert not plan.dynamic or plan.variant + "_dyn" in built
+@given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
+       st.integers(1, 1 << 18), WARPS, st.booleans())
+def test_backward_rows_come_from_tickets_exactly_where_staged_blocks_span_warps(dt, M, N, warp,
+                                                                               clusters):
+    """A backward plan has a kernel that takes its rows from tickets (RowTickets) exactly where
+    its blocks stage rows wider than a warp (the tickets are handed on through the reductions'
+    block barrier) in one column tile (one counter, one set of rows): the "_dyn" kernel of its
+    module, beside the static one that deterministic calls keep, on the same grid."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
+    staged = plan.variant == "bwd_staged"
+    want = staged and plan.block[0] > warp and plan.grid[1] == 1
+    assert plan.dynamic == want, (plan.variant, plan.block, plan.grid)
+    assert ("bwd_dyn" in plan.launch) == plan.dynamic
+    assert not plan.dynamic or "bwd_staged_dyn" in built
     assert plan.variant in built
 
 
