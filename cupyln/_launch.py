@@ -456,7 +456,6 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     return Plan(spec, main, kerns[main], grid, block, smem, launch, dyn is not None)
 
 
-
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):
     """The plan of one cluster of CSUM_BLOCKS blocks (see BWD_CLUSTER_SUMS), or None where the
     device has no clusters, the rows do not fit in those blocks, or the driver cannot place it."""
@@ -809,7 +808,7 @@ class _HotBwd:
 _NONE3 = (None, None, None)
 _ACC_OFFSET = 256  # the counters (the last block's, the rows' tickets), then the sums (aligned)
 _TICKETS = 4  # the rows' ticket counter, after the last block's
-_SCRATCH = {}  # (device, stream) -> zeroed memory of the flushes by the last block
+_SCRATCH = {}  # (device, stream) -> zeroed memory of the ticket counters and atomic sums
 
 
 def _atomic_scratch(dev, stream, nbytes, own):
@@ -817,9 +816,8 @@ def _atomic_scratch(dev, stream, nbytes, own):
     for a backward whose last block flushes or whose rows are dynamic, on ``stream``. The
     kernel leaves it zeroed again, so launches on one stream (which run in order) share one;
     launches on other streams, which may run at the same time, have their own. A call being
-    captured into a CUDA graph uses
-    ``own`` (the address of its own scratch), zeroed by a memset captured with it: the graph may
-    be replayed on any stream."""
+    captured into a CUDA graph uses ``own`` (the address of its own scratch), zeroed by a memset
+    captured with it: the graph may be replayed on any stream."""
     if _is_capturing(stream):
         cp.cuda.runtime.memsetAsync(own, 0, nbytes, stream)
         return own
