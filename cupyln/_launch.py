@@ -292,17 +292,20 @@ def _blocks_per_sm(kern, threads, smem, info):
 class Plan:
     """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
 
-    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch", "dynamic")
+    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch")
 
-    def __init__(self, spec, variant, kern, grid, block, smem, launch, dynamic=False):
+    def __init__(self, spec, variant, kern, grid, block, smem, launch):
         self.spec = spec
         # the pass's main kernel: its name in the module (see Spec.names), its RawKernel
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
         self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
-        # the backward's staged rows from a ticket counter (launch["bwd_dyn"], for calls that
-        # need not be deterministic; BWD_DYNAMIC)
-        self.dynamic = dynamic
+
+    @property
+    def dynamic(self):
+        """Whether the backward has staged rows from a ticket counter (launch["bwd_dyn"], for
+        calls that need not be deterministic; BWD_DYNAMIC)."""
+        return "bwd_dyn" in self.launch
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
@@ -453,7 +456,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
     if dyn:
         launch["bwd_dyn"] = Launcher(kerns[dyn], grid, block, smem, _BWD_ARGS)
-    return Plan(spec, main, kerns[main], grid, block, smem, launch, dyn is not None)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
 def _plan_csum(info, dtype, wdtype, is_ln, M, N, vec, g):

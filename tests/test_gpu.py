@@ -676,39 +676,33 @@ def test_cuda_graph_capture_and_replay(monkeypatch, flush, M, N, given):
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "partials"])
 @pytest.mark.parametrize("M,N", [(48, 768), (2000, 1024), (6000, 1024)])
-def test_concurrent_streams_each_get_correct_gradients(monkeypatch, atomic, M, N):
+def test_concurrent_streams_each_get_correct_gradients(plans, atomic, M, N):
     """Backwards whose scratch counters are zeroed once per stream and left zeroed by each
     launch (the atomic flush's last block and sums; the dynamic staged rows' tickets,
     6000x1024) running on several streams at once: every call's dgamma/dbeta are those of its
     own inputs."""
-    from cupyln import _launch
-
-    monkeypatch.setattr(_launch, "ATOMIC_FLUSH", atomic)
-    _launch.clear_caches()  # no call remembered under the other flush may be reused
-    try:
-        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
-        cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
-        results = [[] for _ in streams]
-        for _ in range(25):
-            for s, (xh, dyh, gh, _), res in zip(streams, cases, results, strict=True):
-                with s:
-                    x, dy, g = cp.asarray(xh), cp.asarray(dyh), cp.asarray(gh)
-                    y, mean, rstd = cupyln.layer_norm_fwd(x, g)
-                    res.append((mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd)[1:])
-        for s in streams:
-            s.synchronize()
-        for (xh, dyh, gh, _), res in zip(cases, results, strict=True):
-            # the forward is deterministic: every call's mean/rstd are the first call's
-            _, rm, rr = ref.layer_norm_fwd(xh, gh, None)
-            assert_close(res[0][0], rm, "mean")
-            assert_close(res[0][1], rr, "rstd")
-            _, rdg, rdb = ref.layer_norm_bwd(dyh, xh, gh, res[0][0].get(), res[0][1].get())
-            for mean, rstd, dg, db in res:
-                assert cp.array_equal(mean, res[0][0]) and cp.array_equal(rstd, res[0][1])
-                assert_close(dg, rdg, "dgamma")
-                assert_close(db, rdb, "dbeta")
-    finally:
-        _launch.clear_caches()
+    plans.replan(ATOMIC_FLUSH=atomic)  # no call remembered under the other flush is reused
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
+    results = [[] for _ in streams]
+    for _ in range(25):
+        for s, (xh, dyh, gh, _), res in zip(streams, cases, results, strict=True):
+            with s:
+                x, dy, g = cp.asarray(xh), cp.asarray(dyh), cp.asarray(gh)
+                y, mean, rstd = cupyln.layer_norm_fwd(x, g)
+                res.append((mean, rstd) + cupyln.layer_norm_bwd(dy, x, g, mean, rstd)[1:])
+    for s in streams:
+        s.synchronize()
+    for (xh, dyh, gh, _), res in zip(cases, results, strict=True):
+        # the forward is deterministic: every call's mean/rstd are the first call's
+        _, rm, rr = ref.layer_norm_fwd(xh, gh, None)
+        assert_close(res[0][0], rm, "mean")
+        assert_close(res[0][1], rr, "rstd")
+        _, rdg, rdb = ref.layer_norm_bwd(dyh, xh, gh, res[0][0].get(), res[0][1].get())
+        for mean, rstd, dg, db in res:
+            assert cp.array_equal(mean, res[0][0]) and cp.array_equal(rstd, res[0][1])
+            assert_close(dg, rdg, "dgamma")
+            assert_close(db, rdb, "dbeta")
 
 
 def test_warmup_compiles_the_plans_calls_use():
