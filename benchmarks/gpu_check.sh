@@ -8,7 +8,8 @@
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
 #   without beta / gamma), ncu (Nsight Compute sections of one forward and backward,
-#   benchmarks/ncu_case.py; NCU_CASE="op M N dtype"),
+#   benchmarks/ncu_case.py; NCU_CASE="op M N dtype"), ncu_src (warp-state samples per SASS
+#   instruction of the kernels matching NCU_KERNEL in that case: ncu_sass.csv),
 #   small (kernel durations of the small shapes under Nsight Compute, all providers and
 #   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
 set -uo pipefail
@@ -59,6 +60,13 @@ for s in $stages; do
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
            python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
+    ncu_src)  # warp-state samples per SASS instruction of the kernels NCU_KERNEL matches
+      run ncu_src ncu --clock-control none --section WarpStateStats --section SourceCounters \
+        --section SpeedOfLight -k "regex:${NCU_KERNEL:-norm_bwd}" -o "$OUT/ncu_src" -f \
+        python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 4096 16384 float16}
+      ncu --import "$OUT/ncu_src.ncu-rep" --page source --csv --print-source sass \
+        >"$OUT/ncu_sass.csv" 2>"$OUT/ncu_sass.err.log"
+      ncu --import "$OUT/ncu_src.ncu-rep" --page details >"$OUT/ncu_details.log" 2>&1 ;;
     small|stalls) set=$([ "$s" = stalls ] && echo stalls)
       run "${s}_ncu" ncu --csv --metrics "$(python3 benchmarks/small_kernels.py --metrics $set)" \
         --print-units base --profile-from-start off --log-file "$OUT/$s.csv" \
