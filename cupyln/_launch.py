@@ -353,17 +353,16 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None, bufs=2):
+def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
     """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
-    least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or ``bufs`` of x
-    and dy and then gamma once per block (the backward, which passes ``wdtype``; its staged
-    clusters keep three: the kernels' NBUF)."""
+    least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
+    and then gamma once per block (the backward, which passes ``wdtype``)."""
     pack = vec * dtype.itemsize
     if not info.async_copy or pack < 4:
         return 0
     if wdtype is None:
         return npt * tpr * 2 * pack * rpb
-    return npt * tpr * (2 * bufs * pack * rpb + vec * wdtype.itemsize)
+    return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
 
 
 def _stages(mode, rule):
@@ -416,8 +415,7 @@ def plan_bwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             block, tiles = (TILE_TPR, 1), _cdiv(N, TILE_TPR * TILE_NPT * vec)
         colsum = 0
     main = "bwd_cluster" if cluster else "bwd"
-    stage = _staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype,
-                           3 if cluster else 2)
+    stage = _staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype)
 
     def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
         if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)

@@ -445,20 +445,16 @@ __device__ __forceinline__ void cluster_sync() {
 // row (barrier.cluster.arrive.release) compiled to MEMBAR.ALL.GPU, which waits for the thread's
 // outstanding memory operations, the next row's copies included: tune.py S9-5, 4096x16384 f16
 // 152.9 us with it against 131.7 with the barrier relaxed (which orders nothing, so it is not
-// an option). NB buffers rotate by row. Where a block waits for a row's totals right after
-// sending its sums (cluster_allreduce, NB = 2), it can write a buffer again (two rows later)
+// an option). Two buffers alternate by row; a block can write a buffer again (two rows later)
 // only after every block sent the sums of the row in between, which each sends after the block
-// barrier of its row_allreduce, so after all its threads read that buffer. Where it waits a row
-// later (cluster_send, then cluster_recv after the next row's send: NB = 4), a block sending
-// row i has received row i - 2 from every block, each of which sent it after the barrier that
-// follows its own reads of row i - 4's totals: so row i may reuse row i - 4's buffer.
-template <int CL, int K, typename C, int NB> struct __align__(16) ClusterExchange {
-  C recv[NB][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
-  unsigned long long bar[NB];  // mbarrier per buffer: one arrival and CL * K values to complete
+// barrier of its row_allreduce, so after all its threads read that buffer.
+template <int CL, int K, typename C> struct __align__(16) ClusterExchange {
+  C recv[2][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
+  unsigned long long bar[2];  // mbarrier per buffer: one arrival and CL * K values to complete
 };
-template <int CL, int K, typename C, int NB>
-__device__ __forceinline__ ClusterExchange<CL, K, C, NB>& cluster_exchange() {
-  __shared__ ClusterExchange<CL, K, C, NB> x;
+template <int CL, int K, typename C>
+__device__ __forceinline__ ClusterExchange<CL, K, C>& cluster_exchange() {
+  __shared__ ClusterExchange<CL, K, C> x;
   return x;
 }
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
@@ -580,49 +576,36 @@ template <int XC, typename C> struct ClusterSums {
   }
 };
 
-// Before the first exchange: the mbarriers initialized, and visible to the cluster before any
-// block stores into another.
-template <int CL, int K, typename C, int NB>
-__device__ __forceinline__ void cluster_allreduce_init() {
+// Before the first cluster_allreduce: the mbarriers initialized, and visible to the cluster
+// before any block stores into another.
+template <int CL, int K, typename C> __device__ __forceinline__ void cluster_allreduce_init() {
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C, NB>();
+  auto& x = cluster_exchange<CL, K, C>();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
 #pragma unroll
-    for (int b = 0; b < NB; ++b) mbarrier_init(smem_addr(&x.bar[b]));
+    for (int b = 0; b < 2; ++b) mbarrier_init(smem_addr(&x.bar[b]));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   asm volatile("barrier.cluster.arrive.relaxed;\n barrier.cluster.wait;" ::: "memory");
 #endif
 }
 
-// The sums over the CL blocks of a cluster of row `phase`'s K = 2 values (already summed over the
-// block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP), in
-// two steps: thread 0 sends this block's values to every block (cluster_send), then every thread
-// waits for the row's totals (cluster_recv; the sum in rank order). Both take the same NB.
-template <int CL, int NB, int K, typename C>
-__device__ __forceinline__ void cluster_send(const C (&v)[K], int phase) {
+// Sums over the CL blocks of a cluster of this row's K = 2 values (already summed over the
+// block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP).
+template <int CL, int K, typename C>
+__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
   static_assert(K == 2, "two row sums");
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C, NB>();
-  const unsigned int b = (unsigned int)phase % NB;
+  auto& x = cluster_exchange<CL, K, C>();
+  const int b = phase & 1;
+  const unsigned int bar = smem_addr(&x.bar[b]);
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    const unsigned int bar = smem_addr(&x.bar[b]);
     mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C)));
     const unsigned int slot = smem_addr(&x.recv[b][cluster_rank()][0]);
 #pragma unroll
     for (int r = 0; r < CL; ++r) st_async2(cluster_addr(slot, r), v[0], v[1], cluster_addr(bar, r));
   }
-#else
-  cl_trap();  // the planner launches cluster kernels only where clusters exist
-#endif
-}
-template <int CL, int NB, int K, typename C>
-__device__ __forceinline__ void cluster_recv(C (&v)[K], int phase) {
-#if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C, NB>();
-  const unsigned int b = (unsigned int)phase % NB;
-  // this buffer's (phase / NB)-th completion
-  mbarrier_wait(smem_addr(&x.bar[b]), ((unsigned int)phase / NB) & 1u);
+  mbarrier_wait(bar, (unsigned int)(phase >> 1) & 1u);  // this buffer's (phase / 2)-th completion
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = C(0);
 #pragma unroll
@@ -630,14 +613,8 @@ __device__ __forceinline__ void cluster_recv(C (&v)[K], int phase) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += x.recv[b][r][k];
 #else
-  cl_trap();
+  cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif
-}
-// Both steps at once: the row's totals in place of this block's sums.
-template <int CL, int K, typename C>
-__device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
-  cluster_send<CL, 2>(v, phase);
-  cluster_recv<CL, 2>(v, phase);
 }
 
 // (count, mean, M2) statistics merged with Chan et al.'s pairwise formula: numerically stable,

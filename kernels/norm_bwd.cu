@@ -68,17 +68,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
-  // Staged clusters (PIPE): a row's dx is written one iteration later, after the next row's sums
-  // are sent, so the exchange has a row's work to arrive in instead of a wait at every row (the
-  // cluster kernel's largest stall, S17-1: 19% of the samples; without the exchange at all it ran
-  // 6-8% faster, S17-3). The row's x and dy are read again from its staged buffer for that (three
-  // buffers), and the exchange takes four (see ClusterExchange).
-  constexpr bool PIPE = STAGED && CL > 1;
-  constexpr int NBUF = PIPE ? 3 : 2;  // staged rows in shared memory
-  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C, PIPE ? 4 : 2>();
+  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
-  // while this one is reduced, in NBUF buffers of [x, dy][NPT][threads] packs; gamma once per
+  // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
   // block after them, [NPT][blockDim.x]. The host gives the dynamic shared memory for it
   // (_launch.py); a launch with less traps. A compile-time choice: the two paths in one kernel
   // (chosen by the launch's shared memory) made both slower, 131072x4096 bf16 1190 us against
@@ -111,9 +104,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + t;
   P* stage = reinterpret_cast<P*>(cl_smem);
-  G* gstage = reinterpret_cast<G*>(stage + 2 * NBUF * NPT * threads);
+  G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
   if constexpr (STAGED) {
-    require_dynamic_smem(2u * NBUF * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G));
+    require_dynamic_smem(4u * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G));
     if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
   }
   if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
@@ -154,28 +147,47 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     __shared__ unsigned int slots[2];
     btick = slots;
   }
-  // A row's staged packs (the buffer of iteration ph, this thread's slots).
-  auto buf_of = [](int ph) { return NBUF == 2 ? ph & 1 : (int)((unsigned int)ph % NBUF); };
-  auto staged = [&](int ph, P (&px)[NPT], P (&pdy)[NPT]) {
-    const P* src = stage + buf_of(ph) * 2 * NPT * threads + tid;
-#pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      px[k] = src[k * threads];
-      pdy[k] = src[(NPT + k) * threads];
+  int phase = 0;
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; ++phase) {
+    const cl_i64 row = base + threadIdx.y;
+    const bool valid = row < M;
+    C mu, rs;
+    if constexpr (STAGED) {
+      mu = mu_next;
+      rs = rs_next;
+      prefetch(DYNAMIC ? (cl_i64)rt.nxt * blockDim.y + threadIdx.y : row + step,
+               (phase + 1) & 1, mu_next, rs_next);
+      // a slot is written again two rows later, after the barrier every thread passes once it
+      // has read it
+      if (DYNAMIC && tid == 0) btick[phase & 1] = rt.take();
+    } else {
+      stats(row, mu, rs);
     }
-  };
-  // A row's xhat and g = dy * gamma from its packs; with `acc`, dgamma/dbeta's sums too.
-  auto values = [&](const P (&px)[NPT], const P (&pdy)[NPT], C mu, C rs, C (&xh)[NPT][VEC],
-                    C (&g)[NPT][VEC], bool acc) {
+    C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
+    {
+      P px[NPT], pdy[NPT];
+      if constexpr (STAGED) {
+        async_wait<1>();  // this row's group has landed; the next row's stays in flight
+        if (phase == 0) __syncthreads();  // gamma, copied by row 0's threads, for every row
+        const P* src = stage + (phase & 1) * 2 * NPT * threads + tid;
 #pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      // x loads as 0 past N: with mean 0 there xhat stays 0 (x - mean could overflow)
-      const C mk = c0 + ((cl_i64)k * blockDim.x + t) * VEC < N ? mu : C(0);
+        for (int k = 0; k < NPT; ++k) {
+          px[k] = src[k * threads];
+          pdy[k] = src[(NPT + k) * threads];
+        }
+      } else {
+        const cl_i64 r = valid ? row : 0;
+        load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
+        load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+      }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        g[k][j] = (C)elem(pdy[k], j);
-        xh[k][j] = ((C)elem(px[k], j) - mk) * rs;
-        if (acc) {
+      for (int k = 0; k < NPT; ++k) {
+        // x loads as 0 past N: with mean 0 there xhat stays 0 (x - mean could overflow)
+        const C mk = c0 + ((cl_i64)k * blockDim.x + t) * VEC < N ? mu : C(0);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          g[k][j] = (C)elem(pdy[k], j);
+          xh[k][j] = ((C)elem(px[k], j) - mk) * rs;
           acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
           acc_b[k][j] += g[k][j];
         }
@@ -193,70 +205,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) g[k][j] *= (C)elem(gp[k], j);
     }
-  };
-  // dx of row `row` from its values and its totals s.
-  auto write_dx = [&](cl_i64 row, C rs, const C (&s)[2], const C (&xh)[NPT][VEC],
-                      const C (&g)[NPT][VEC]) {
-    if (!dx || row >= M) return;
-    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
-    const C a = rs * (s[1] * inv_n);
-    const C b = LN ? rs * (s[0] * inv_n) : C(0);
-    T* dxr = dx + row * N;
-#pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
-      if (col >= N) continue;
-      C o[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
-      store_vec<VEC>(dxr + col, o);
-    }
-  };
-  // PIPE: row `row` (iteration ph) finished: its totals, then its values again from its buffer
-  // (unchanged: the prefetch writes another), then dx.
-  auto finish = [&](int ph, cl_i64 row, C mu, C rs) {
-    if constexpr (PIPE) {
-      C s[2];
-      cluster_recv<CL, 4>(s, ph);
-      P px[NPT], pdy[NPT];
-      staged(ph, px, pdy);
-      C xh[NPT][VEC], g[NPT][VEC];
-      values(px, pdy, mu, rs, xh, g, false);
-      write_dx(row, rs, s, xh, g);
-    }
-  };
-  int phase = 0;
-  cl_i64 prev = 0;  // PIPE: the row still to finish, and its statistics
-  C mu_prev = C(0), rs_prev = C(0);
-  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; ++phase) {
-    const cl_i64 row = base + threadIdx.y;
-    const bool valid = row < M;
-    C mu, rs;
-    if constexpr (STAGED) {
-      mu = mu_next;
-      rs = rs_next;
-      prefetch(DYNAMIC ? (cl_i64)rt.nxt * blockDim.y + threadIdx.y : row + step,
-               buf_of(phase + 1), mu_next, rs_next);
-      // a slot is written again two rows later, after the barrier every thread passes once it
-      // has read it
-      if (DYNAMIC && tid == 0) btick[phase & 1] = rt.take();
-    } else {
-      stats(row, mu, rs);
-    }
-    C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
-    {
-      P px[NPT], pdy[NPT];
-      if constexpr (STAGED) {
-        async_wait<1>();  // this row's group has landed; the next row's stays in flight
-        if (phase == 0) __syncthreads();  // gamma, copied by row 0's threads, for every row
-        staged(phase, px, pdy);
-      } else {
-        const cl_i64 r = valid ? row : 0;
-        load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
-        load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
-      }
-      values(px, pdy, mu, rs, xh, g, true);
-    }
     C s[2] = {C(0), C(0)};
 #pragma unroll
     for (int k = 0; k < NPT; ++k)
@@ -270,24 +218,29 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
       row_allreduce<WARP>(s, phase);
-      if constexpr (PIPE) {  // this row's sums out; the previous row finished meanwhile
-        cluster_send<CL, 4>(s, phase);
-        if (phase > 0) finish(phase - 1, prev, mu_prev, rs_prev);
-        prev = row;
-        mu_prev = mu;
-        rs_prev = rs;
-      } else if constexpr (CL > 1) {
-        cluster_allreduce<CL>(s, phase);  // the other tiles' sums
+      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase);  // the other tiles' sums
+    }
+    if (dx && valid) {
+      // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
+      const C a = rs * (s[1] * inv_n);
+      const C b = LN ? rs * (s[0] * inv_n) : C(0);
+      T* dxr = dx + row * N;
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
+        if (col >= N) continue;
+        C o[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
+        store_vec<VEC>(dxr + col, o);
       }
     }
-    if constexpr (!PIPE) write_dx(row, rs, s, xh, g);
     if constexpr (DYNAMIC) {  // after the row's reduction barrier: thread 0's group
       base = (cl_i64)rt.advance(btick[phase & 1]) * blockDim.y;
     } else {
       base += step;
     }
   }
-  if (PIPE && phase > 0) finish(phase - 1, prev, mu_prev, rs_prev);
 
   async_wait<0>();  // the copies past the last row (zeros) land before the memory is reused
   // a cluster's blocks leave together: none exits while its last row's sums may still be on
