@@ -480,17 +480,12 @@ __device__ __forceinline__ void mbarrier_expect(unsigned int bar, unsigned int b
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-// The wait suspends the thread until the phase completes or a time limit passes (the hint, in
-// ns, raises the limit): without it the loop ran 21.6 times per row in the cluster backward
-// (Nsight Compute S17-1), whose issue slots (11.5% of its instructions) the SM's other warps
-// needed.
 __device__ __forceinline__ void mbarrier_wait(unsigned int bar, unsigned int parity) {
   unsigned int done = 0;
   do {
     asm volatile(
-        "{.reg .pred p;\n"
-        " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2, %3;\n"
-        " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity), "n"(10000000) : "memory");
+        "{.reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
 __device__ __forceinline__ void st_async2(unsigned int a, float v0, float v1, unsigned int bar) {
