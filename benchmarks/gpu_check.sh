@@ -9,7 +9,8 @@
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
 #   without beta / gamma), ncu (Nsight Compute sections of one forward and backward,
 #   benchmarks/ncu_case.py; NCU_CASE="op M N dtype"), ncu_src (warp-state samples per SASS
-#   instruction of the kernels matching NCU_KERNEL in that case: ncu_sass.csv),
+#   instruction of the kernels matching NCU_KERNEL in that case: ncu_sass.csv, summed up by
+#   benchmarks/sass.py),
 #   small (kernel durations of the small shapes under Nsight Compute, all providers and
 #   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
 set -uo pipefail
@@ -66,7 +67,8 @@ for s in $stages; do
         python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 4096 16384 float16}
       ncu --import "$OUT/ncu_src.ncu-rep" --page source --csv --print-source sass \
         >"$OUT/ncu_sass.csv" 2>"$OUT/ncu_sass.err.log"
-      ncu --import "$OUT/ncu_src.ncu-rep" --page details >"$OUT/ncu_details.log" 2>&1 ;;
+      ncu --import "$OUT/ncu_src.ncu-rep" --page details >"$OUT/ncu_details.log" 2>&1
+      python3 benchmarks/sass.py stalls "$OUT/ncu_sass.csv" 25 >"$OUT/ncu_stalls.log" 2>&1 ;;
     small|stalls) set=$([ "$s" = stalls ] && echo stalls)
       run "${s}_ncu" ncu --csv --metrics "$(python3 benchmarks/small_kernels.py --metrics $set)" \
         --print-units base --profile-from-start off --log-file "$OUT/$s.csv" \
@@ -80,6 +82,7 @@ mkdir -p "$OUT/cache" && tar czf "$OUT/cache/cache.tgz" -C "$CUPY_CACHE_DIR" . 2
 echo; echo "==== failures (first lines) ===="
 grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
 [ -f "$OUT/tune.log" ] && { echo; echo "==== tune ===="; cat "$OUT/tune.log"; }
+[ -f "$OUT/ncu_stalls.log" ] && { echo; echo "==== ncu_src (samples per instruction) ===="; cat "$OUT/ncu_stalls.log"; }
 [ -f "$OUT/leave_out.log" ] && { echo; echo "==== leave_out ===="; cat "$OUT/leave_out.log"; }
 [ -f "$OUT/hostprof.log" ] && { echo; echo "==== hostprof ===="; grep -B100 -m1 -e "----" "$OUT/hostprof.log"; }
 [ -f "$OUT/small.log" ] && { echo; echo "==== small (ncu kernel durations) ===="; cat "$OUT/small.log"; }

@@ -68,26 +68,19 @@ class Spec(NamedTuple):
             return names
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
-        reduce = f"norm_bwd_reduce<{CTYPES[ACC_DTYPES[self.dtype]]}, {CTYPES[self.wdtype]}>"
-        if pass_ == "bwd_long":  # rows longer than one block: column tiles
-            names = {
-                # the tiles' row sums from norm_bwd_rowsums (the kernels' RS, compile-time)
-                "rowsums": f"norm_bwd_rowsums<{a}>",
-                "bwd": f"norm_bwd<{a}, false, false, false, true>",
-                "bwd_staged": f"norm_bwd<{a}, true, false, false, true>",
-                "reduce": reduce,
-            }
-            if self.tiles > 1:  # in clusters of `tiles` blocks
-                names["bwd_cluster"] = f"norm_bwd_cluster<{a}, false, {self.tiles}>"
-                names["bwd_cluster_staged"] = f"norm_bwd_cluster<{a}, true, {self.tiles}>"
-            return names
+        acc = CTYPES[ACC_DTYPES[self.dtype]]
         names = {
             "bwd": f"norm_bwd<{a}, false, false>",
             "bwd_staged": f"norm_bwd<{a}, true, false>",
             "bwd_staged_dyn": f"norm_bwd<{a}, true, false, true>",  # rows from tickets
             "bwd_last": f"norm_bwd<{a}, false, true>",  # the last block sums the partials
-            "reduce": reduce,
+            "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
+        if pass_ == "bwd_long":  # rows longer than one block: column tiles
+            names["rowsums"] = f"norm_bwd_rowsums<{a}>"
+            if self.tiles > 1:  # in clusters of `tiles` blocks
+                names["bwd_cluster"] = f"norm_bwd_cluster<{a}, false, {self.tiles}>"
+                names["bwd_cluster_staged"] = f"norm_bwd_cluster<{a}, true, {self.tiles}>"
         return names
 
     def __str__(self):

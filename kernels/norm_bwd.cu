@@ -47,13 +47,8 @@
 // below.
 // XC > 1: the grid is one cluster of XC blocks (gridDim.x == XC), which sum dgamma/dbeta through
 // distributed shared memory (ClusterSums); partial, accum and counter are then unused.
-// RS: the row sums come from norm_bwd_rowsums (`rowsums`, column tiles without clusters); a
-// compile-time choice. As a runtime branch, the value loaded on its path shared a scoreboard with
-// the next row's prefetched statistics, and the merge after it waited for both: every row's dx
-// waited for a memory round trip (Nsight Compute S17-1: 12% of the staged kernel's stall
-// samples at 16384x8192 bf16).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool LAST, int XC = 1, bool DYN = false, bool RS = false>
+          bool LAST, int XC = 1, bool DYN = false>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
@@ -63,8 +58,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   if (CL > 1 && (gridDim.y != CL || blockDim.x <= WARP)) cl_trap();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
-  static_assert(!RS || (CL == 1 && XC == 1 && !LAST && !DYN), "row sums: plain column tiles");
-  if (RS != (rowsums != nullptr)) cl_trap();  // the host's row sums, exactly where RS
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
@@ -213,7 +206,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         s[0] += g[k][j];
         s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
       }
-    if constexpr (RS) {  // long rows: the sums come from norm_bwd_rowsums
+    if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
       s[0] = valid ? rowsums[2 * row] : C(0);
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else {
@@ -344,10 +337,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in
 // norm_bwd_reduce's order (the planner's choice where that costs less than a second launch).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST,
-          bool DYN = false, bool RS = false>
+          bool DYN = false>
 __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN, RS>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN>(CLN_BWD_ARGS);
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
