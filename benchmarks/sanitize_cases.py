@@ -23,7 +23,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 3, 140000, "float16", None),       # several chunks; row sums + column tiles
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
     ("layernorm", 40, 16384, "bfloat16", "float32"),
-    ("layernorm", 150, 16384, "float16", None),     # staged clusters over several rows
+    ("layernorm", 150, 16384, "float16", None),      # staged clusters over several rows
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
     ("layernorm", 600, 4096, "bfloat16", None),      # medium
     ("rmsnorm", 600, 4096, "float16", "float32"),
