@@ -43,6 +43,8 @@ def _opcode(src):
 
 def stalls(path, top=30):
     for name, head, rows in _kernels(path):
+        if head is None:  # a kernel without a source page
+            continue
         col = {c: i for i, c in enumerate(head)}
 
         def num(r, c, col=col):
