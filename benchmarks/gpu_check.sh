@@ -7,10 +7,10 @@
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
-#   without beta / gamma), ncu (Nsight Compute sections of one forward and backward,
-#   benchmarks/ncu_case.py; NCU_CASE="op M N dtype"), ncu_src (warp-state samples per SASS
-#   instruction of the kernels matching NCU_KERNEL in that case: ncu_sass.csv, summed up by
-#   benchmarks/sass.py),
+#   without beta / gamma), floor (benchmarks/copy_floor.py: copies of each large shape's
+#   bytes), ncu (Nsight Compute sections of one forward and backward, benchmarks/ncu_case.py;
+#   NCU_CASE="op M N dtype"), ncu_src (warp-state samples per SASS instruction of the kernels
+#   matching NCU_KERNEL in that case: ncu_sass.csv, summed up by benchmarks/sass.py),
 #   small (kernel durations of the small shapes under Nsight Compute, all providers and
 #   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
 set -uo pipefail
@@ -57,6 +57,7 @@ for s in $stages; do
     hostprof) run hostprof python3 benchmarks/hostprof.py ${HOSTPROF_OLD:-} ;;
     tune) run tune python3 benchmarks/tune.py ;;
     leave_out) run leave_out python3 benchmarks/leave_out.py ;;
+    floor) run floor python3 benchmarks/copy_floor.py ;;
     ncu) run ncu ncu --clock-control none --section SpeedOfLight --section Occupancy \
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
