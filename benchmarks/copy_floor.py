@@ -2,10 +2,9 @@
 
     python benchmarks/copy_floor.py [op:M:N:dtype ...]
 
-The benchmark's ratios are against the copy of a 4 GiB buffer. A pass over a smaller tensor
-also pays for the kernel's start and drain, and for the dirty lines the L2 flush leaves, so
-for each shape (default: those of the benchmark file that move at least 256 MiB) this times,
-at that pass's size:
+The benchmark's ratios are against the copy of a 4 GiB buffer; copies of fewer bytes run at a
+lower rate (benchmarks/NOTES.md, S18-3). So for each shape (default: those of the benchmark
+file whose forward moves at least 256 MiB) this times, at that pass's size:
 - fwd: cudaMemcpyAsync of M*N*s bytes, and a one-shot copy kernel (blocks of 128 threads with
   four 16-byte loads each, then four stores: the direct forward's access pattern without its
   arithmetic);
@@ -18,7 +17,9 @@ reaches at that size.
 import sys
 
 import cupy as cp
+import numpy as np
 
+from cupyln.api import BFLOAT16
 from cupyln.bench import copy_bandwidth, device_us, load_shapes
 
 _SRC = r"""
@@ -45,18 +46,18 @@ _NAMES = ("oneshot<1>", "oneshot<2>")
 _CHUNK = 128 * 4 * 16  # bytes per block
 
 
+def _bytes(M, N, dt):
+    """Bytes of one M x N array of ``dt`` (a dtype name, as in the shapes file)."""
+    return M * N * np.dtype(BFLOAT16 if dt == "bfloat16" else dt).itemsize
+
+
 def _default_shapes():
-    out = []
-    for op, M, N, dt in load_shapes():
-        s = 4 if dt == "float32" else 2
-        if 2 * M * N * s >= 256 << 20:
-            out.append((op, M, N, dt))
-    return out
+    return [(op, M, N, dt) for op, M, N, dt in load_shapes() if 2 * _bytes(M, N, dt) >= 256 << 20]
 
 
 def _floor(kernels, copy, M, N, dt):
     k1, k2 = kernels
-    nb = M * N * (4 if dt == "float32" else 8 if dt == "float64" else 2)
+    nb = _bytes(M, N, dt)
     nb_k = -(-nb // _CHUNK) * _CHUNK  # whole blocks
     a, b, y = (cp.ones(nb_k // 4, cp.uint32) for _ in range(3))
     grid = (nb_k // _CHUNK,)
