@@ -17,10 +17,8 @@ reaches at that size.
 import sys
 
 import cupy as cp
-import numpy as np
 
-from cupyln.api import BFLOAT16
-from cupyln.bench import copy_bandwidth, device_us, load_shapes
+from cupyln.bench import copy_bandwidth, device_us, dtype_of, load_shapes
 
 _SRC = r"""
 template <int R>
@@ -48,7 +46,7 @@ _CHUNK = 128 * 4 * 16  # bytes per block
 
 def _bytes(M, N, dt):
     """Bytes of one M x N array of ``dt`` (a dtype name, as in the shapes file)."""
-    return M * N * np.dtype(BFLOAT16 if dt == "bfloat16" else dt).itemsize
+    return M * N * dtype_of(dt).itemsize
 
 
 def _default_shapes():

@@ -12,11 +12,9 @@ import functools
 import sys
 
 import cupy as cp
-import numpy as np
 
 import cupyln
-from cupyln.api import BFLOAT16
-from cupyln.bench import copy_bandwidth, device_us, make_inputs
+from cupyln.bench import copy_bandwidth, device_us, dtype_of, make_inputs
 
 SHAPES = ["layernorm:16384:8192:bfloat16", "layernorm:4096:16384:float16",
           "layernorm:4096:32768:float16", "layernorm:131072:4096:bfloat16"]
@@ -28,7 +26,7 @@ def main(shapes):
     for item in shapes:
         _, M, N, dt = item.split(":")
         M, N = int(M), int(N)
-        dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+        dtype = dtype_of(dt)
         x, _, g, b = make_inputs(M, N, dtype)
         variants = [("layernorm gamma+beta", cupyln.layer_norm_fwd, (x, g, b)),
                     ("layernorm gamma", cupyln.layer_norm_fwd, (x, g, None)),

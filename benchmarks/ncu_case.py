@@ -6,14 +6,11 @@
 
 import sys
 
-import numpy as np
-
 import cupyln
-from cupyln.api import BFLOAT16
-from cupyln.bench import make_inputs
+from cupyln.bench import dtype_of, make_inputs
 
 op, M, N, dt = (sys.argv[1:] + ["layernorm", "131072", "4096", "bfloat16"][len(sys.argv) - 1:])
-dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+dtype = dtype_of(dt)
 x, dy, g, b = make_inputs(int(M), int(N), dtype)
 if op == "layernorm":
     y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)

@@ -47,8 +47,7 @@ def run(cases_path):
     import numpy as np
 
     from cupyln import _compile, _launch
-    from cupyln.api import BFLOAT16
-    from cupyln.bench import _liger, _torch, cases, make_inputs
+    from cupyln.bench import _liger, _torch, cases, dtype_of, make_inputs
 
     flush_buf = cp.empty(256 << 20, cp.uint8)
     flush = cp.RawKernel(f'extern "C" __global__ void {FLUSH}(unsigned int* p, long long n) {{'
@@ -64,7 +63,7 @@ def run(cases_path):
 
     labels = []
     for op, M, N, dt in SHAPES:
-        x, dy, g, b = make_inputs(M, N, np.dtype(BFLOAT16 if dt == "bfloat16" else dt))
+        x, dy, g, b = make_inputs(M, N, dtype_of(dt))
         for name, variant in VARIANTS.items():
             for k, v in {**defaults, **variant}.items():
                 if k != "SOURCE":

@@ -14,11 +14,9 @@ import json
 import os
 
 import cupy as cp
-import numpy as np
 
 from cupyln import _compile, _launch
-from cupyln.api import BFLOAT16
-from cupyln.bench import cases, copy_bandwidth, device_us, env_shapes, make_inputs
+from cupyln.bench import cases, copy_bandwidth, device_us, dtype_of, env_shapes, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
@@ -59,7 +57,7 @@ def main():
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
     for op, M, N, dt in SHAPES:
-        dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+        dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
         isz = dtype.itemsize
         for pass_, configs in (("fwd", FWD), ("bwd", BWD)):

@@ -256,6 +256,11 @@ def compile_rows(M=4096, N=1024, dtype="float16"):
 # ----------------------------------------------------------------------------- main
 
 
+def dtype_of(name):
+    """The NumPy dtype of a dtype name of the shapes file ("float16", "bfloat16", ...)."""
+    return np.dtype(BFLOAT16 if name == "bfloat16" else name)
+
+
 def env_shapes(var, default):
     """Shapes from environment variable ``var`` ("op:M:N:dtype,...", as the tuning scripts take
     them), else ``default``."""
@@ -285,7 +290,7 @@ def run(shapes, progress=True):
 
         it = tqdm(shapes, desc="benchmark", unit="shape")
     for op, M, N, dt in it:
-        dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+        dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
         for (prov, pass_), fn in cases(op, x, dy, g, b, torch, liger).items():
             try:
