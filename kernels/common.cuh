@@ -87,6 +87,21 @@ template <> struct Store<cl_bf16> {
   }
 };
 
+// 1 / n for a row length n >= 1. In float, IEEE division's fast path alone (a reciprocal and one
+// Newton step, as nvcc emits it): for such n the result is a normal float, where that path is
+// the correctly rounded quotient, so these are the bits of 1.0f / n. nvcc's range test and its
+// slow-path call came first in every kernel and held back the row's first load (SASS).
+__device__ __forceinline__ float cl_inv_count(float, cl_i64 n) {
+  const float d = (float)n;
+#if !defined(CLN_HIP) && defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return fmaf(r, fmaf(-d, r, 1.0f), r);
+#else
+  return 1.0f / d;
+#endif
+}
+__device__ __forceinline__ double cl_inv_count(double, cl_i64 n) { return 1.0 / (double)n; }
 __device__ __forceinline__ float cl_rsqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
 // a * b + c in one rounding. Written out where the compiler would otherwise multiply once and

@@ -74,7 +74,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x;
-  const C inv_n = C(1) / (C)N;
+  const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;  // this block's column tile
   const bool want_g = dgamma != nullptr, want_b = dbeta != nullptr;
   // Cluster sums: the received values first in the dynamic shared memory, then the column sums'

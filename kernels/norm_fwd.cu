@@ -121,7 +121,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   typedef typename Acc<T>::type C;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
-  const C inv_n = C(1) / (C)N;
+  const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
   // One vector per thread (the planner's choice for small M), or EARLY_PARAMS (its choice for
