@@ -2,7 +2,8 @@
 
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
 type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
-warp size and, for the long-row backward, the blocks of a thread-block cluster. One module holds
+warp size, for the long-row backward the blocks of a thread-block cluster and, for wide forward
+rows, the threads of a row. One module holds
 the kernels of one pass of a specialization (the forward kernels; the backward kernels of rows
 within a block with the partial reduction; or, for longer rows, the column-tile kernels with the
 row sums and the partial reduction), so a call compiles little more than it launches. CuPy's
@@ -38,6 +39,7 @@ class Spec(NamedTuple):
     npt: int  # vectors per thread per chunk
     warp: int  # 32 or 64
     tiles: int = 1  # backward: blocks per thread-block cluster (1: no cluster kernels)
+    tpr: int = 0  # forward: threads per row fixed at compile time (0: blockDim.x)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -52,19 +54,22 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
             ln = "true" if self.is_ln else "false"
-            names = {"fwd": f"norm_fwd<{a}, false, false, false>",
-                     "fwd_staged": f"norm_fwd<{a}, true, false, false>",
-                     "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"}
+            # the rows' threads fixed (tpr): rows of one chunk only, so no chunked kernel
+            fixed = f", {self.tpr}" if self.tpr else ""
+            names = {"fwd": f"norm_fwd<{a}, false, false, false{fixed}>",
+                     "fwd_staged": f"norm_fwd<{a}, true, false, false{fixed}>"}
+            if not self.tpr:
+                names["fwd_chunked"] = f"norm_fwd_chunked<{t}, {w}, {ln}, {self.vec}, {self.warp}>"
             # gamma/beta loaded with the row (one vector per thread: "fwd" does already). Built
             # for 4-byte and wider types only: 2-byte ones spilled and lost everywhere (S10-1).
             if self.npt > 1 and self.dtype.itemsize >= 4:
-                names["fwd_early"] = f"norm_fwd<{a}, false, true, false>"
+                names["fwd_early"] = f"norm_fwd<{a}, false, true, false{fixed}>"
             # LayerNorm rows whose length is a multiple of the chunk: no column tests ("_full"
             # variants; RMSNorm lost 0.2-0.7% without them, S12-9)
             if self.is_ln:
-                names["fwd_full"] = f"norm_fwd<{a}, false, false, true>"
+                names["fwd_full"] = f"norm_fwd<{a}, false, false, true{fixed}>"
                 if "fwd_early" in names:
-                    names["fwd_early_full"] = f"norm_fwd<{a}, false, true, true>"
+                    names["fwd_early_full"] = f"norm_fwd<{a}, false, true, true{fixed}>"
             return names
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
@@ -87,7 +92,8 @@ class Spec(NamedTuple):
         op = "layernorm" if self.is_ln else "rmsnorm"
         return (
             f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
-            f"warp={self.warp}" + (f", tiles={self.tiles}]" if self.tiles > 1 else "]")
+            f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
+            + (f", tpr={self.tpr}]" if self.tpr else "]")
         )
 
 

@@ -75,6 +75,16 @@ FWD_EARLY = True
 # 533.2 / 516.8, 517.2. Not for RMSNorm (no centred pass): 16384x8192 bf16 134.5, 134.1 / 135.4,
 # 135.4. False: never (tests, tuning).
 FWD_FULL = True
+# Forward rows of one chunk whose threads make FWD_FIXED_WARPS warps reduce with those threads
+# fixed at compile time (Spec.tpr, a template argument of norm_fwd: a module per width), so the
+# reductions' branches and the cross-warp butterfly's trip count are constants. S19-3 (tune.py,
+# us, three rounds, blockDim.x / fixed): LN 16384x8192 bf16 (8 warps) 137.3, 137.6, 137.2 /
+# 135.6, 136.0, 136.1; RMSNorm 135.2, 134.7, 135.3 / 135.5, 136.0, 135.3; LN 4096x16384 f16 (16
+# warps) 75.2, 75.1, 75.0 / 74.1, 74.3, 74.1; RMSNorm 73.4, 73.3, 73.4 / 72.1, 72.2, 72.3. At 4
+# warps LN 131072x4096 bf16 lost (520.0, 519.6, 520.0 / 522.8, 522.5, 523.6); 32 warps were not
+# measured. The widths are few so that every specialization is compiled by the offline checks.
+# (): never (tests, tuning).
+FWD_FIXED_WARPS = (8, 16)
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -245,6 +255,9 @@ def all_kernel_names(warp):
                         for tiles in {"bwd_long": (CLUSTER_TILES,),
                                       "bwd": (1, CSUM_BLOCKS)}.get(pass_, (1,)):
                             names.update(Spec(t, w, ln, v, n, warp, tiles).names(pass_).values())
+                        for wide in FWD_FIXED_WARPS if pass_ == "fwd" else ():
+                            spec = Spec(t, w, ln, v, n, warp, tpr=wide * warp)
+                            names.update(spec.names(pass_).values())
     return names
 
 
@@ -331,7 +344,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp)
+    fixed = g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS]
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
     kerns = _compile.kernels(spec, "fwd")
     main, block, smem = "fwd" if g.fits else "fwd_chunked", (g.tpr, g.rpb), 0

@@ -342,12 +342,18 @@ template <typename C> __device__ __forceinline__ C shfl_xor(C v, int lane_mask) 
 #endif
 }
 
+// The threads of a row: TPR where the kernel fixes it at compile time (its caller has checked
+// the launch), else blockDim.x.
+template <int TPR> __device__ __forceinline__ int row_threads() {
+  return TPR ? TPR : (int)blockDim.x;
+}
+
 // Shuffle-only part: sum over the row's threads within one warp (all of the row when tpr <= WARP).
 // Rows of whole warps take the unrolled butterfly (a loop on blockDim.x cost a compare and a
 // branch per step on the row's critical path).
-template <int WARP, int K, typename C>
+template <int WARP, int TPR = 0, int K, typename C>
 __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
-  if ((int)blockDim.x >= WARP) {
+  if (row_threads<TPR>() >= WARP) {
 #pragma unroll
     for (int o = WARP >> 1; o > 0; o >>= 1) {
 #pragma unroll
@@ -364,11 +370,13 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
 // Sum over the row's threads. Rows of several warps exchange warp sums through shared memory
 // with one barrier: `phase` alternates between consecutive calls (the caller's row counter), so
 // a fast warp's next write goes to the other buffer while slow warps still read this one.
-template <int WARP, int K, typename C>
+// TPR (> 0): the row's threads fixed at compile time, so the branches and the butterfly's trip
+// count below are constants (see FWD_FIXED_WARPS in _launch.py).
+template <int WARP, int TPR = 0, int K, typename C>
 __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   __shared__ C red[2][K][1024 / WARP];
-  warp_allreduce<WARP>(v);
-  const int tpr = blockDim.x;
+  warp_allreduce<WARP, TPR>(v);
+  const int tpr = row_threads<TPR>();
   if (tpr > WARP) {  // uniform over the block
     const int tid = threadIdx.y * tpr + threadIdx.x;
     const int warp = tid / WARP, lane = tid % WARP;

@@ -422,6 +422,40 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b,stage", [
+    (2000, 8192, BF16, BF16, True, "auto"), (33, 16384, F16, F32, False, "auto"),  # 8, 16 warps
+    (5, 2048, F16, F16, True, "auto"),  # one vector per thread (small M)
+    (700, 8192, BF16, F32, True, "always"),  # staged rows
+    (100, 8192, F32, F32, True, "auto"), (9, 4096, F64, F64, False, "auto"),  # gamma/beta early
+    (400, 8000, F16, F16, True, "auto"),  # not a multiple of the chunk
+])
+def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
+    """Forward rows of one chunk of FWD_FIXED_WARPS warps reduce with their threads fixed at
+    compile time: the planner fixes them exactly there, at the block's width; both kernels match
+    the reference, and they agree bitwise (the same additions in the same order)."""
+    from cupyln import _launch
+
+    widths = _launch.FWD_FIXED_WARPS
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
+    x, g = cp.asarray(x_h), cp.asarray(g_h)
+    b = None if b_h is None else cp.asarray(b_h)
+    plans.spy("fwd")
+    out = {}
+    for fixed in ((), widths):
+        plans.replan(FWD_FIXED_WARPS=fixed, FWD_STAGE=stage)
+        out[fixed] = cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
+        (plan,) = plans
+        wide = plan.variant != "fwd_chunked" and plan.block[0] // plan.spec.warp in fixed
+        assert plan.spec.tpr == (plan.block[0] if wide else 0), (plan.variant, plan.block)
+        staged = stage == "always" and _launch.device_info(x.device.id).async_copy
+        assert plan.variant.startswith("fwd_staged") == staged
+        check_case(op, x_h, dy_h, g_h, b_h)
+    assert plan.spec.tpr > 0  # these shapes are such rows
+    for a, c in zip(out[()], out[widths], strict=True):
+        assert cp.array_equal(a, c)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [(700, 20000, F16, F16), (5, 16384, BF16, F32),
                                         (33, 32768, F16, F32), (1000, 9000, F32, F32),
                                         (3, 4100, F64, F64), (2, 70000, F32, F32)])

@@ -142,7 +142,9 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     """The forward planner takes a kernel of the module it compiles; the kernel that loads
     gamma/beta with the row wherever that module has it (4-byte and wider types, several vectors
     per thread), and no other kernel where it has it but a plain row would run; the variant
-    without column tests exactly where a direct row's length is a multiple of its chunk."""
+    without column tests exactly where a direct row's length is a multiple of its chunk; the
+    row's threads fixed at compile time, at the block's width, exactly on rows of one chunk of
+    FWD_FIXED_WARPS warps."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
@@ -154,6 +156,8 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     chunk = plan.block[0] * plan.spec.npt * plan.spec.vec
     direct = base in ("fwd", "fwd_early")
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
+    wide = plan.variant != "fwd_chunked" and plan.block[0] // warp in _launch.FWD_FIXED_WARPS
+    assert plan.spec.tpr == (plan.block[0] if wide else 0)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
