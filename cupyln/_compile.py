@@ -3,11 +3,11 @@
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
 type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
 warp size, for the long-row backward the blocks of a thread-block cluster and, for wide forward
-rows, the threads of a row. One module holds
-the kernels of one pass of a specialization (the forward kernels; the backward kernels of rows
-within a block with the partial reduction; or, for longer rows, the column-tile kernels with the
-row sums and the partial reduction), so a call compiles little more than it launches. CuPy's
-own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across processes.
+rows, the threads of a row. One module holds the kernels of one pass of a specialization (the
+forward kernels; the backward kernels of rows within a block with the partial reduction; or, for
+longer rows, the column-tile kernels with the row sums and the partial reduction), so a call
+compiles little more than it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``) keeps the
+binaries across processes.
 """
 
 from __future__ import annotations

@@ -308,9 +308,10 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
     repeat rows), with dgamma/dbeta or without them (dx alone: the tickets are the only
     scratch); dx is bitwise the static rows' (rows are independent; the reference checks it
     once, the rest is compared on the device), and deterministic calls are bitwise repeatable
-    either way, and the same either way where both plans have the same grid. `meant`: the variant the case is meant to take with tickets, where the device
-    has it; 1000x1024 takes too few rows for tickets (static groups only), 5000x96 has rows
-    within a warp, 600x16384 column tiles (in clusters on sm_90): static rows."""
+    either way, and the same either way where both plans have the same grid. `meant`: the
+    variant the case is meant to take with tickets, where the device has it; 1000x1024 takes
+    too few rows for tickets (static groups only), 5000x96 has rows within a warp, 600x16384
+    column tiles (in clusters on sm_90): static rows."""
     from cupyln import _launch
 
     xh, dyh, gh, _ = inputs(M, N, dt, wdt)
