@@ -18,7 +18,7 @@ import sys
 
 import cupy as cp
 
-from cupyln.bench import copy_bandwidth, device_us, dtype_of, load_shapes
+from cupyln.bench import copy_bandwidth, device_us, dtype_of, load_shapes, parse_shapes
 
 _SRC = r"""
 template <int R>
@@ -85,5 +85,4 @@ def main(shapes):
 
 
 if __name__ == "__main__":
-    given = [(o, int(m), int(n), d) for o, m, n, d in (a.split(":") for a in sys.argv[1:])]
-    main(given or _default_shapes())
+    main(parse_shapes(sys.argv[1:]) or _default_shapes())

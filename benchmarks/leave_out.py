@@ -14,7 +14,7 @@ import sys
 import cupy as cp
 
 import cupyln
-from cupyln.bench import copy_bandwidth, device_us, dtype_of, make_inputs
+from cupyln.bench import copy_bandwidth, device_us, dtype_of, make_inputs, parse_shapes
 
 SHAPES = ["layernorm:16384:8192:bfloat16", "layernorm:4096:16384:float16",
           "layernorm:4096:32768:float16", "layernorm:131072:4096:bfloat16"]
@@ -23,9 +23,7 @@ SHAPES = ["layernorm:16384:8192:bfloat16", "layernorm:4096:16384:float16",
 def main(shapes):
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
-    for item in shapes:
-        _, M, N, dt = item.split(":")
-        M, N = int(M), int(N)
+    for _, M, N, dt in parse_shapes(shapes):
         dtype = dtype_of(dt)
         x, _, g, b = make_inputs(M, N, dtype)
         variants = [("layernorm gamma+beta", cupyln.layer_norm_fwd, (x, g, b)),

@@ -261,13 +261,16 @@ def dtype_of(name):
     return np.dtype(BFLOAT16 if name == "bfloat16" else name)
 
 
+def parse_shapes(items):
+    """(op, M, N, dtype name) of each "op:M:N:dtype" item (as the scripts take shapes)."""
+    return [(o, int(m), int(n), d) for o, m, n, d in (item.split(":") for item in items)]
+
+
 def env_shapes(var, default):
     """Shapes from environment variable ``var`` ("op:M:N:dtype,...", as the tuning scripts take
     them), else ``default``."""
     text = os.environ.get(var)
-    if not text:
-        return default
-    return [(o, int(m), int(n), d) for o, m, n, d in (item.split(":") for item in text.split(","))]
+    return parse_shapes(text.split(",")) if text else default
 
 
 def load_shapes(path=None):
