@@ -81,7 +81,7 @@ def main():
                       f"block={plan.block} vec={vec} smem={plan.smem} {plan.variant}"
                       f"{' dynamic' if plan.dynamic else ''} "
                       f"{attrs(plan.kern)}: "
-                      f"{us:8.1f} us "
+                      f"{us:8.2f} us "
                       f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
         x = dy = g = b = None
         cp.get_default_memory_pool().free_all_blocks()

@@ -361,7 +361,7 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
     }
     return;
   }
-  for (int o = (int)blockDim.x >> 1; o > 0; o >>= 1) {
+  for (int o = row_threads<TPR>() >> 1; o > 0; o >>= 1) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
   }
