@@ -2,9 +2,10 @@
 
 Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
 staged rows (cp.async; backward rows static or from tickets) and direct loads, for short rows
-(several per block), block rows (of 8 and 16 warps: the forward's threads fixed at compile
-time), and long rows (clusters of column tiles, or row sums + column tiles), and few rows (one
-cluster that sums dgamma/dbeta, or the last block summing the partials); LayerNorm and RMSNorm.
+(several per block), block rows (of 8, 16 and 32 warps: the forward's threads fixed at
+compile time), and long rows (clusters of column tiles, or row sums + column tiles), and few
+rows (one cluster that sums dgamma/dbeta, or the last block summing the partials); LayerNorm and
+RMSNorm.
 Exits non-zero when an output misses the reference tolerance.
 """
 
@@ -29,6 +30,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 600, 4096, "float16", "float32"),
     ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
     ("rmsnorm", 700, 8192, "bfloat16", None),        # forward rows of 8 warps, threads fixed
+    ("layernorm", 60, 32768, "float16", None),       # forward rows of 32 warps, threads fixed
     ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
 ]

@@ -81,10 +81,12 @@ FWD_FULL = True
 # us, three rounds, blockDim.x / fixed): LN 16384x8192 bf16 (8 warps) 137.3, 137.6, 137.2 /
 # 135.6, 136.0, 136.1; RMSNorm 135.2, 134.7, 135.3 / 135.5, 136.0, 135.3; LN 4096x16384 f16 (16
 # warps) 75.2, 75.1, 75.0 / 74.1, 74.3, 74.1; RMSNorm 73.4, 73.3, 73.4 / 72.1, 72.2, 72.3. At 4
-# warps LN 131072x4096 bf16 lost (520.0, 519.6, 520.0 / 522.8, 522.5, 523.6); 32 warps were not
-# measured. The widths are few so that every specialization is compiled by the offline checks.
-# (): never (tests, tuning).
-FWD_FIXED_WARPS = (8, 16)
+# warps LN 131072x4096 bf16 lost (520.0, 519.6, 520.0 / 522.8, 522.5, 523.6). S20-1, 32 warps
+# (the staged LN 4096x32768 f16): 147.6, 148.0 / 146.9, 146.6. Rows of a warp or less and the
+# small-M rows of 2-4 warps lost or gained nothing (S20-1: RMSNorm 131072x64 f16 14.1 / 15.1 us,
+# 42 registers instead of 32; 32x512 to 1024x768 within 0.05 us). The widths are few so that
+# every specialization is compiled by the offline checks. (): never (tests, tuning).
+FWD_FIXED_WARPS = (8, 16, 32)
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -256,6 +258,8 @@ def all_kernel_names(warp):
                                       "bwd": (1, CSUM_BLOCKS)}.get(pass_, (1,)):
                             names.update(Spec(t, w, ln, v, n, warp, tiles).names(pass_).values())
                         for wide in FWD_FIXED_WARPS if pass_ == "fwd" else ():
+                            if wide * warp > FWD_TPR_MAX:
+                                continue  # wider than any row's threads
                             spec = Spec(t, w, ln, v, n, warp, tpr=wide * warp)
                             names.update(spec.names(pass_).values())
     return names

@@ -430,6 +430,7 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b,stage", [
     (2000, 8192, BF16, BF16, True, "auto"), (33, 16384, F16, F32, False, "auto"),  # 8, 16 warps
+    (7, 16384, F32, F32, False, "auto"), (300, 32768, F16, F16, True, "always"),  # 32 warps
     (5, 2048, F16, F16, True, "auto"),  # one vector per thread (small M)
     (700, 8192, BF16, F32, True, "always"),  # staged rows
     (100, 8192, F32, F32, True, "auto"), (9, 4096, F64, F64, False, "auto"),  # gamma/beta early
