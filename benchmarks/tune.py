@@ -7,7 +7,8 @@
 
 For each configuration the compile and plan caches are cleared, and every shape's forward and
 backward are timed as the benchmark does; the kernels' register and local-memory use are
-printed with them, and the copy bandwidth of the same run first.
+printed with them, and the copy bandwidth of the same run first; last, a summary of each
+configuration's times over the rounds.
 """
 
 import json
@@ -53,9 +54,22 @@ def attrs(k):
     return f"regs={k.num_regs} local={k.local_size_bytes}"
 
 
+def summary(times):
+    """Lines of {(op, M, N, dtype, pass): {config: [us, ...]}}: per shape and pass, each
+    configuration's times in the order run (a configuration listed several times in
+    CUPYLN_TUNE_FWD/BWD gives one time per round)."""
+    lines = []
+    for (op, M, N, dt, pass_), by_cfg in times.items():
+        runs = " | ".join(f"{cfg}: {', '.join(f'{t:.2f}' for t in ts)}"
+                          for cfg, ts in by_cfg.items())
+        lines.append(f"{op} {M}x{N} {dt} {pass_}: {runs}")
+    return lines
+
+
 def main():
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
+    times = {}
     for op, M, N, dt in SHAPES:
         dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
@@ -73,6 +87,8 @@ def main():
                 _launch.clear_caches()
                 fn = cases(op, x, dy, g, b, None, None)["cupyln", pass_]
                 us = device_us(fn, n_repeat=30)
+                label = json.dumps(cfg, sort_keys=True)
+                times.setdefault((op, M, N, dt, pass_), {}).setdefault(label, []).append(us)
                 plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
                     x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
                 vec = plan.spec.vec
@@ -85,6 +101,7 @@ def main():
                       f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
         x = dy = g = b = None
         cp.get_default_memory_pool().free_all_blocks()
+    print("== summary: us per round", *summary(times), sep="\n")
 
 
 if __name__ == "__main__":
