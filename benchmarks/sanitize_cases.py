@@ -5,8 +5,7 @@ staged rows (cp.async; backward rows static or from tickets) and direct loads, f
 (several per block), block rows (of 8, 16 and 32 warps: the forward's threads fixed at
 compile time), and long rows (clusters of column tiles, or row sums + column tiles), and few
 rows (one cluster that sums dgamma/dbeta, or the last block summing the partials); LayerNorm and
-RMSNorm.
-Exits non-zero when an output misses the reference tolerance.
+RMSNorm. Exits non-zero when an output misses the reference tolerance.
 """
 
 import sys
