@@ -3,11 +3,11 @@
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
 type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
 warp size, for the long-row backward the blocks of a thread-block cluster and, for wide forward
-rows, the threads of a row. One module holds the kernels of one pass of a specialization (the
-forward kernels; the backward kernels of rows within a block with the partial reduction; or, for
-longer rows, the column-tile kernels with the row sums and the partial reduction), so a call
-compiles little more than it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``) keeps the
-binaries across processes.
+rows and the one-row blocks of small M, the threads of a row. One module holds the kernels of
+one pass of a specialization (the forward kernels; the backward kernels of rows within a block
+with the partial reduction; or, for longer rows, the column-tile kernels with the row sums and
+the partial reduction), so a call compiles little more than it launches. CuPy's own disk cache
+(``CUPY_CACHE_DIR``) keeps the binaries across processes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Spec(NamedTuple):
     warp: int  # 32 or 64
     tiles: int = 1  # backward: blocks per thread-block cluster (1: no cluster kernels)
     tpr: int = 0  # forward: threads per row fixed at compile time (0: blockDim.x)
+    row: bool = False  # forward: one row per block of tpr threads (norm_fwd_row alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -54,6 +55,10 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
             ln = "true" if self.is_ln else "false"
+            if self.row:  # no column tests ("_full") for LayerNorm only, as below
+                row = f"norm_fwd_row<{t}, {w}, {ln}, {self.vec}, {self.warp}, {self.tpr}"
+                return {"fwd_row": row + ", false>",
+                        **({"fwd_row_full": row + ", true>"} if self.is_ln else {})}
             # the rows' threads fixed (tpr): rows of one chunk only, so no chunked kernel
             fixed = f", {self.tpr}" if self.tpr else ""
             names = {"fwd": f"norm_fwd<{a}, false, false, false{fixed}>",
@@ -93,7 +98,7 @@ class Spec(NamedTuple):
         return (
             f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
-            + (f", tpr={self.tpr}]" if self.tpr else "]")
+            + (f", tpr={self.tpr}" if self.tpr else "") + (", row]" if self.row else "]")
         )
 
 

@@ -87,6 +87,11 @@ FWD_FULL = True
 # 42 registers instead of 32; 32x512 to 1024x768 within 0.05 us). The widths are few so that
 # every specialization is compiled by the offline checks. (): never (tests, tuning).
 FWD_FIXED_WARPS = (8, 16, 32)
+# Small-M rows of one vector of 16 bytes per thread, in one block of at most FWD_ROW_WARPS warps
+# (the grid covering M): norm_fwd_row, the row's threads fixed at compile time, no row loop,
+# and gamma, beta and x loaded first, together (the general kernel's path was 253 instructions
+# per warp at 32x512 f16 against Liger's 149: S19-1). 0: never (tests, tuning).
+FWD_ROW_WARPS = 8
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -262,6 +267,10 @@ def all_kernel_names(warp):
                                 continue  # wider than any row's threads
                             spec = Spec(t, w, ln, v, n, warp, tpr=wide * warp)
                             names.update(spec.names(pass_).values())
+                        if pass_ == "fwd" and n == 1 and v * t.itemsize == 16:
+                            for wide in range(1, FWD_ROW_WARPS + 1):  # one-row blocks
+                                spec = Spec(t, w, ln, v, 1, warp, tpr=wide * warp, row=True)
+                                names.update(spec.names(pass_).values())
     return names
 
 
@@ -348,12 +357,15 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
         if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
-    fixed = g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS]
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
+    row = (g.fits and g.npt == 1 and g.rpb == 1 and grid[0] == M and g.tpr % info.warp == 0
+           and g.tpr <= FWD_ROW_WARPS * info.warp and vec * dtype.itemsize == 16)
+    fixed = row or (g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS])
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0, row=row)
     kerns = _compile.kernels(spec, "fwd")
-    main, block, smem = "fwd" if g.fits else "fwd_chunked", (g.tpr, g.rpb), 0
-    stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if g.fits else 0
+    main = "fwd_row" if row else "fwd" if g.fits else "fwd_chunked"
+    block, smem = (g.tpr, g.rpb), 0
+    stage = _staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if main == "fwd" else 0
     if stage:
         # staged: the resident blocks, each looping over rows with the next ones in flight;
         # "auto" where only one direct block fits on an SM (see FWD_STAGE)

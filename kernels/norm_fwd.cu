@@ -210,3 +210,34 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
   fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
                                                        M, N, eps);
 }
+
+// Small M (the planner's choice for rows of one vector per thread in at most FWD_ROW_WARPS
+// warps, one row per block): the row's threads fixed at compile time, no row loop, and the
+// loads of gamma, beta and x issued first, together. The trap's branch after them ends the
+// block of code they are in: without it ptxas scheduled gamma's and beta's loads after the
+// row's first reduction, next to their use, so their memory trip followed x's instead of
+// overlapping it (SASS, nvcc 13.0 sm_90). The launch must be TPR x 1 threads in M blocks.
+template <typename T, typename W, bool LN, int VEC, int WARP, int TPR, bool FULL>
+__global__ void __launch_bounds__(TPR) norm_fwd_row(CLN_FWD_PARAMS) {
+  typedef typename Acc<T>::type C;
+  const unsigned int row = blockIdx.x;
+  typename Held<W, VEC>::type hg[1], hb[1];
+  Pack<T, VEC> raw[1];
+  load_packs<VEC, 1, FULL>(gamma, 0, N, gamma != nullptr, hg);
+  load_packs<VEC, 1, FULL>(beta, 0, N, beta != nullptr, hb);
+  load_packs<VEC, 1, FULL>(x + (cl_i64)row * ldx, 0, N, true, raw);
+  if ((int)blockDim.x != TPR || blockDim.y != 1 || (cl_i64)gridDim.x != M) cl_trap();
+  typename RowVec<T, VEC>::type p[1];
+  to_row(raw[0], p[0]);
+  const C inv_n = cl_inv_count(C(0), N);
+  C n = C(0), mean = C(0), m2 = C(0);
+  chunk_stats<false, LN, WARP, VEC, 1, FULL, TPR>(p, 0, N, (cl_i64)TPR * VEC, 0, inv_n, n, mean,
+                                                  m2);
+  const C mu = LN ? mean : C(0);
+  const C rstd = cl_rsqrt(m2 * inv_n + eps);
+  if (threadIdx.x == 0) {
+    if (LN) mean_out[row] = (float)mu;
+    rstd_out[row] = (float)rstd;
+  }
+  write_chunk<true, VEC, 1, FULL>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N, hg, hb);
+}

@@ -284,9 +284,9 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         grids[mode] = plan.grid
         dynamic |= pass_ == "bwd" and plan.dynamic
         staged = plan.variant.endswith("_staged")
-        chunked = plan.variant == "fwd_chunked"
+        once = plan.variant == "fwd_chunked" or plan.spec.row  # rows never staged
         can = _launch.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
-        assert staged == (can and not chunked and mode == "always"), (mode, plan.grid)
+        assert staged == (can and not once and mode == "always"), (mode, plan.grid)
         assert (plan.smem > 0) >= staged
         check_case(op, *case)
     same_order = pass_ == "fwd" or (grids["always"] == grids["never"] and not dynamic)
@@ -386,7 +386,7 @@ def test_parameters_loaded_with_the_row_or_after(plans, op, M, N, dt, wdt, has_b
     plans.spy("fwd")
     out, variants = {}, {}
     for early in (False, True):
-        plans.replan(FWD_EARLY=early, FWD_FULL=False)
+        plans.replan(FWD_EARLY=early, FWD_FULL=False, FWD_ROW_WARPS=0)
         out[early] = (cupyln.layer_norm_fwd(x, g, b) if op == "ln"
                       else cupyln.rms_norm_fwd(x, g))
         (plan,) = plans
@@ -449,7 +449,7 @@ def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
     plans.spy("fwd")
     out = {}
     for fixed in ((), widths):
-        plans.replan(FWD_FIXED_WARPS=fixed, FWD_STAGE=stage)
+        plans.replan(FWD_FIXED_WARPS=fixed, FWD_STAGE=stage, FWD_ROW_WARPS=0)
         out[fixed] = cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
         (plan,) = plans
         wide = plan.variant != "fwd_chunked" and plan.block[0] // plan.spec.warp in fixed
@@ -459,6 +459,34 @@ def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
         check_case(op, x_h, dy_h, g_h, b_h)
     assert plan.spec.tpr > 0  # these shapes are such rows
     for a, c in zip(out[()], out[widths], strict=True):
+        assert cp.array_equal(a, c)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
+    (32, 512, F16, F16, True), (96, 768, F16, F32, True), (192, 1024, BF16, BF16, True),  # 2-4 warps
+    (1024, 768, F16, F16, False), (7, 256, F32, F32, True), (100, 256, F16, F32, True),  # 3-1
+    (300, 2048, BF16, F32, True), (5, 512, F64, F64, False),  # 8 warps
+    (9, 1000, F16, F16, True), (200, 200, F32, F32, True),  # not a multiple of the block's row
+])
+def test_one_row_blocks(plans, op, M, N, dt, wdt, has_b):
+    """Small M, one 16-byte vector per thread in a few warps: the one-row kernel (norm_fwd_row)
+    exactly where FWD_ROW_WARPS allows it, one block of one row per row of x; it matches the
+    reference and agrees bitwise with the general kernel on the same rows (the same additions
+    in the same order)."""
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
+    x, g = cp.asarray(x_h), cp.asarray(g_h)
+    b = None if b_h is None else cp.asarray(b_h)
+    plans.spy("fwd")
+    out = {}
+    for warps in (0, 8):
+        plans.replan(FWD_ROW_WARPS=warps)
+        out[warps] = cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
+        (plan,) = plans
+        assert plan.spec.row == (warps > 0) == plan.variant.startswith("fwd_row"), plan.variant
+        check_case(op, x_h, dy_h, g_h, b_h)
+    assert plan.grid == (M,) and plan.block[1] == 1 and plan.spec.tpr == plan.block[0]
+    for a, c in zip(out[0], out[8], strict=True):
         assert cp.array_equal(a, c)
 
 

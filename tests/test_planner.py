@@ -144,7 +144,9 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     per thread), and no other kernel where it has it but a plain row would run; the variant
     without column tests exactly where a direct row's length is a multiple of its chunk; the
     row's threads fixed at compile time, at the block's width, exactly on rows of one chunk of
-    FWD_FIXED_WARPS warps."""
+    FWD_FIXED_WARPS warps and in the one-row kernel; that kernel (and its module alone) exactly
+    on blocks of one row of one 16-byte vector per thread in at most FWD_ROW_WARPS whole warps,
+    one block per row."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
@@ -152,12 +154,18 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     base = plan.variant.removesuffix("_full")
     assert base != "fwd" or not early
     assert base != "fwd_early" or early
+    tpr, rpb = plan.block
+    one_row = (plan.spec.npt == 1 and rpb == 1 and plan.grid == (M,) and tpr % warp == 0
+               and tpr <= _launch.FWD_ROW_WARPS * warp
+               and plan.spec.vec * plan.spec.dtype.itemsize == 16)
+    assert (base == "fwd_row") == one_row == plan.spec.row
+    assert not one_row or set(built) == {"fwd_row", "fwd_row_full"}
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
-    chunk = plan.block[0] * plan.spec.npt * plan.spec.vec
-    direct = base in ("fwd", "fwd_early")
+    chunk = tpr * plan.spec.npt * plan.spec.vec
+    direct = base in ("fwd", "fwd_early", "fwd_row")
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
-    wide = plan.variant != "fwd_chunked" and plan.block[0] // warp in _launch.FWD_FIXED_WARPS
-    assert plan.spec.tpr == (plan.block[0] if wide else 0)
+    wide = plan.variant != "fwd_chunked" and tpr // warp in _launch.FWD_FIXED_WARPS
+    assert plan.spec.tpr == (tpr if wide or one_row else 0)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
