@@ -108,6 +108,11 @@ __device__ __forceinline__ double cl_rsqrt(double v) { return 1.0 / sqrt(v); }
 // add the product to two sums (the backward's dy * xhat): one FMUL + two FADD become two FMA.
 __device__ __forceinline__ float cl_fma(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ double cl_fma(double a, double b, double c) { return fma(a, b, c); }
+// a * b rounded by itself: never contracted into a later addition. For a product both kept
+// and subtracted (the forward's mean), where nvcc fused it into the subtraction in one kernel
+// and not in another, so that their outputs differed in the last bit.
+__device__ __forceinline__ float cl_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double cl_mul(double a, double b) { return __dmul_rn(a, b); }
 
 // ---------------------------------------------------------------------------------------------
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The

@@ -40,7 +40,7 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
     return;
   }
   const C cnt = (C)(N - c0 < chunk ? N - c0 : chunk);
-  const C cm = CHUNKED ? s[0] / cnt : s[0] * inv_cnt;
+  const C cm = CHUNKED ? s[0] / cnt : cl_mul(s[0], inv_cnt);  // the stored mean, rounded
   C q[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
