@@ -65,8 +65,11 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
 // they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
-template <bool HELD, int VEC, int NPT, bool FULL, typename T, typename W, typename C, typename R,
-          typename H>
+// ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0
+// included), for kernels whose time is one row's chain. The same bits as the cases below, where
+// nvcc fuses the product and beta (test_one_row_blocks).
+template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
+          typename C, typename R, typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
                                             C rstd, const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr,
@@ -95,7 +98,14 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
         else out(g, b, BoolC<false>(), BoolC<false>());
       }
     };
-    if constexpr (HELD) {
+    if constexpr (ONE_PATH) {
+      static_assert(HELD, "one path: gamma/beta held");
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const C scale = rstd * (gamma ? (C)elem(hg[k], j) : C(1));
+        o[j] = cl_fma((C)elem(p[k], j) - mu, scale, beta ? (C)elem(hb[k], j) : C(-0.0));
+      }
+    } else if constexpr (HELD) {
       cases(hg[k], hb[k]);
     } else {
       Pack<W, VEC> g, b;
@@ -239,5 +249,7 @@ __global__ void __launch_bounds__(TPR) norm_fwd_row(CLN_FWD_PARAMS) {
     if (LN) mean_out[row] = (float)mu;
     rstd_out[row] = (float)rstd;
   }
-  write_chunk<true, VEC, 1, FULL>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N, hg, hb);
+  // one code path for the output: 0.03-0.13 us faster than the four cases (S21-2)
+  write_chunk<true, VEC, 1, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N,
+                                        hg, hb);
 }

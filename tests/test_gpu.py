@@ -463,20 +463,21 @@ def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
-@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
-    (32, 512, F16, F16, True), (96, 768, F16, F32, True), (192, 1024, BF16, BF16, True),  # 2-4 warps
-    (1024, 768, F16, F16, False), (7, 256, F32, F32, True), (100, 256, F16, F32, True),  # 3-1
-    (300, 2048, BF16, F32, True), (5, 512, F64, F64, False),  # 8 warps
-    (9, 1000, F16, F16, True), (200, 200, F32, F32, True),  # not a multiple of the block's row
+@pytest.mark.parametrize("M,N,dt,wdt,params", [
+    (32, 512, F16, F16, "gb"), (96, 768, F16, F32, "gb"), (192, 1024, BF16, BF16, "b"),  # 2-4 warps
+    (1024, 768, F16, F16, "g"), (7, 256, F32, F32, ""), (100, 256, F16, F32, "gb"),  # 3-1
+    (300, 2048, BF16, F32, "gb"), (5, 512, F64, F64, "g"),  # 8 warps
+    (9, 1000, F16, F16, "gb"), (200, 200, F32, F32, "b"),  # not a multiple of the block's row
 ])
-def test_one_row_blocks(plans, op, M, N, dt, wdt, has_b):
+def test_one_row_blocks(plans, op, M, N, dt, wdt, params):
     """Small M, one 16-byte vector per thread in a few warps: the one-row kernel (norm_fwd_row)
     exactly where FWD_ROW_WARPS allows it, one block of one row per row of x; it matches the
     reference and agrees bitwise with the general kernel on the same rows (the same additions
-    in the same order)."""
-    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
-    x, g = cp.asarray(x_h), cp.asarray(g_h)
-    b = None if b_h is None else cp.asarray(b_h)
+    in the same order; its one output path against the general kernel's four cases of gamma
+    and beta given or not, ``params``)."""
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_g="g" in params, has_b="b" in params)
+    x = cp.asarray(x_h)
+    g, b = (None if a is None else cp.asarray(a) for a in (g_h, b_h))
     plans.spy("fwd")
     out = {}
     for warps in (0, 8):
