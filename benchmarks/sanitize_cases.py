@@ -18,7 +18,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
     ("rmsnorm", 9, 24, "bfloat16", None),
     ("layernorm", 8, 500, "float16", None),          # few rows: one cluster, or the last block
-    ("layernorm", 33, 1000, "float32", None),        # one block per row
+    ("layernorm", 33, 1000, "float32", None),        # one block per row (norm_fwd_row)
+    ("layernorm", 32, 512, "bfloat16", None),        # norm_fwd_row without column tests
     ("rmsnorm", 33, 1000, "float16", None),
     ("layernorm", 3, 140000, "float16", None),       # several chunks; row sums + column tiles
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
