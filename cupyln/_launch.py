@@ -89,8 +89,12 @@ FWD_FULL = True
 FWD_FIXED_WARPS = (8, 16, 32)
 # Small-M rows of one vector of 16 bytes per thread, in one block of at most FWD_ROW_WARPS warps
 # (the grid covering M): norm_fwd_row, the row's threads fixed at compile time, no row loop,
-# and gamma, beta and x loaded first, together (the general kernel's path was 253 instructions
-# per warp at 32x512 f16 against Liger's 149: S19-1). 0: never (tests, tuning).
+# gamma, beta and x loaded first, together, and one output path (the general kernel's path was
+# 253 instructions per warp at 32x512 f16 against Liger's 149: S19-1). S21-1 (tune.py, us, three
+# rounds, general / norm_fwd_row): LN 32x512 f16 4.96, 5.07, 4.94 / 4.90, 4.93, 4.83; 96x768
+# 5.36, 5.34, 5.41 / 5.14, 5.09, 5.10; 192x1024 bf16 5.50, 5.57, 5.55 / 5.41, 5.38, 5.36;
+# 1024x768 6.18, 6.21, 6.19 / 5.97, 6.00, 5.98; RMSNorm 32x512 4.93, 4.93, 5.01 / 4.80, 4.82,
+# 4.75; 300x2048 bf16 (8 warps) 6.00, 6.10, 6.02 / 5.84, 5.82, 5.81. 0: never (tests, tuning).
 FWD_ROW_WARPS = 8
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);

@@ -66,8 +66,9 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
 // they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
 // ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0
-// included), for kernels whose time is one row's chain. The same bits as the cases below, where
-// nvcc fuses the product and beta (test_one_row_blocks).
+// included), for kernels whose time is one row's chain. The product and beta are fused here
+// explicitly; the cases below leave that to nvcc, which fused them for float16 rows but not for
+// bfloat16 rows or without gamma (S21-3), so with beta the two can differ in the last bit.
 template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
           typename C, typename R, typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,

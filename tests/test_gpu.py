@@ -472,9 +472,12 @@ def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
 def test_one_row_blocks(plans, op, M, N, dt, wdt, params):
     """Small M, one 16-byte vector per thread in a few warps: the one-row kernel (norm_fwd_row)
     exactly where FWD_ROW_WARPS allows it, one block of one row per row of x; it matches the
-    reference and agrees bitwise with the general kernel on the same rows (the same additions
-    in the same order; its one output path against the general kernel's four cases of gamma
-    and beta given or not, ``params``)."""
+    reference, with gamma and beta given or not (``params``). Against the general kernel on the
+    same rows its statistics agree bitwise (the same additions in the same order), and so does
+    y without beta. With beta the row kernel adds it in the product's rounding (one fused
+    multiply-add); the general kernel's four cases leave that to nvcc, which fused it in some
+    cases and not in others (S21-3: bfloat16 rows, no gamma), so there y is held to the
+    reference only."""
     x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_g="g" in params, has_b="b" in params)
     x = cp.asarray(x_h)
     g, b = (None if a is None else cp.asarray(a) for a in (g_h, b_h))
@@ -487,8 +490,10 @@ def test_one_row_blocks(plans, op, M, N, dt, wdt, params):
         assert plan.spec.row == (warps > 0) == plan.variant.startswith("fwd_row"), plan.variant
         check_case(op, x_h, dy_h, g_h, b_h)
     assert plan.grid == (M,) and plan.block[1] == 1 and plan.spec.tpr == plan.block[0]
-    for a, c in zip(out[0], out[8], strict=True):
+    for a, c in zip(out[0][1:], out[8][1:], strict=True):
         assert cp.array_equal(a, c)
+    if op == "rms" or b is None:
+        assert cp.array_equal(out[0][0], out[8][0])
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
