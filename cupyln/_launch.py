@@ -362,10 +362,8 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
-    # one-row blocks (see FWD_ROW_WARPS; the kernel's offsets of y are 32-bit)
     row = (g.fits and g.npt == 1 and g.rpb == 1 and grid[0] == M and g.tpr % info.warp == 0
-           and g.tpr <= FWD_ROW_WARPS * info.warp and vec * dtype.itemsize == 16
-           and M * N < 2**31)
+           and g.tpr <= FWD_ROW_WARPS * info.warp and vec * dtype.itemsize == 16)
     fixed = row or (g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS])
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0, row=row)
     kerns = _compile.kernels(spec, "fwd")
