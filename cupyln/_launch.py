@@ -362,6 +362,10 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
+    # one-row blocks (see FWD_ROW_WARPS). One vector per thread comes from the small-M rule (M
+    # x tpr within the GPU's thread slots) or from rows of a warp or less spread to one per
+    # block (M <= 2 x SMs), so M x N stays far below 2^31, as the kernel's 32-bit offsets of y
+    # need.
     row = (g.fits and g.npt == 1 and g.rpb == 1 and grid[0] == M and g.tpr % info.warp == 0
            and g.tpr <= FWD_ROW_WARPS * info.warp and vec * dtype.itemsize == 16)
     fixed = row or (g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS])
