@@ -16,7 +16,9 @@ from cupyln import _check, _launch
 
 CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
-    ("rmsnorm", 9, 24, "bfloat16", None),
+    ("rmsnorm", 9, 24, "bfloat16", None),            # (norm_fwd_row: rows of 4 threads)
+    ("rmsnorm", 20001, 64, "float16", None),         # norm_fwd_row, the last block past M
+    ("layernorm", 3000, 26, "float32", None),        # short rows of 8-byte vectors (general)
     ("layernorm", 8, 500, "float16", None),          # few rows: one cluster, or the last block
     ("layernorm", 33, 1000, "float32", None),        # one block per row (norm_fwd_row)
     ("layernorm", 32, 512, "bfloat16", None),        # norm_fwd_row without column tests

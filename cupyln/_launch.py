@@ -95,7 +95,9 @@ FWD_FIXED_WARPS = (8, 16, 32)
 # 5.36, 5.34, 5.41 / 5.14, 5.09, 5.10; 192x1024 bf16 5.50, 5.57, 5.55 / 5.41, 5.38, 5.36;
 # 1024x768 6.18, 6.21, 6.19 / 5.97, 6.00, 5.98; RMSNorm 32x512 4.93, 4.93, 5.01 / 4.80, 4.82,
 # 4.75; 300x2048 bf16 (8 warps) 6.00, 6.10, 6.02 / 5.84, 5.82, 5.81. 0: never (tests, tuning).
-FWD_ROW_WARPS = 8
+# FWD_ROW_SHORT: the same kernel for rows of at most a warp (one vector of 16 bytes per thread,
+# blockDim.y rows per block, the grid covering M), whatever M. False: never (tests, tuning).
+FWD_ROW_WARPS, FWD_ROW_SHORT = 8, True
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -249,6 +251,13 @@ def vec_options(dtype):
     return out
 
 
+def _row_kernel_widths(warp):
+    """The row threads norm_fwd_row is built for: powers of two below a warp (rows stacked in
+    blockDim.y, FWD_ROW_SHORT) and 1 to FWD_ROW_WARPS whole warps."""
+    short = [1 << i for i in range(warp.bit_length() - 1)] if FWD_ROW_SHORT else []
+    return short + [w * warp for w in range(1, FWD_ROW_WARPS + 1)]
+
+
 def all_kernel_names(warp):
     """Name expressions of every kernel the planner can launch on a device of this warp size."""
     pairs = [(FLOAT16, FLOAT16), (FLOAT16, FLOAT32), (BFLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
@@ -272,8 +281,8 @@ def all_kernel_names(warp):
                             spec = Spec(t, w, ln, v, n, warp, tpr=wide * warp)
                             names.update(spec.names(pass_).values())
                         if pass_ == "fwd" and n == 1 and v * t.itemsize == 16:
-                            for wide in range(1, FWD_ROW_WARPS + 1):  # one-row blocks
-                                spec = Spec(t, w, ln, v, 1, warp, tpr=wide * warp, row=True)
+                            for tpr in _row_kernel_widths(warp):
+                                spec = Spec(t, w, ln, v, 1, warp, tpr=tpr, row=True)
                                 names.update(spec.names(pass_).values())
     return names
 
@@ -362,12 +371,13 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
-    # one-row blocks (see FWD_ROW_WARPS). One vector per thread comes from the small-M rule (M
-    # x tpr within the GPU's thread slots) or from rows of a warp or less spread to one per
-    # block (M <= 2 x SMs), so M x N stays far below 2^31, as the kernel's 32-bit offsets of y
-    # need.
-    row = (g.fits and g.npt == 1 and g.rpb == 1 and grid[0] == M and g.tpr % info.warp == 0
-           and g.tpr <= FWD_ROW_WARPS * info.warp and vec * dtype.itemsize == 16)
+    # norm_fwd_row (see FWD_ROW_WARPS, FWD_ROW_SHORT): one 16-byte vector per thread, the grid
+    # covering M, within the kernel's 32-bit offsets of y; blocks of one row of whole warps, or
+    # rows of at most a warp stacked
+    one_row = g.rpb == 1 and g.tpr % info.warp == 0 and g.tpr <= FWD_ROW_WARPS * info.warp
+    row = (g.fits and g.npt == 1 and grid[0] == _cdiv(M, g.rpb) and vec * dtype.itemsize == 16
+           and M * N < 2**31 and (one_row or (FWD_ROW_SHORT and g.tpr <= info.warp))
+           and g.tpr in _row_kernel_widths(info.warp))
     fixed = row or (g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS])
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0, row=row)
     kerns = _compile.kernels(spec, "fwd")

@@ -66,9 +66,10 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
 // they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
 // ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0
-// included), for kernels whose time is one row's chain. The product and beta are fused here
-// explicitly; the cases below leave that to nvcc, which fused them for float16 rows but not for
-// bfloat16 rows or without gamma (S21-3), so with beta the two can differ in the last bit.
+// included), for kernels whose time is one row's chain. Beta is added in the product's rounding
+// (one fused multiply-add) on every path: left to nvcc, the four cases fused it for float16
+// rows but not for bfloat16 rows or without gamma (S21-3), and kernels' outputs differed in the
+// last bit.
 template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
           typename C, typename R, typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
@@ -86,8 +87,8 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
-        const C val = ((C)elem(p[k], j) - mu) * scale;
-        o[j] = decltype(B)::value ? val + (C)elem(b, j) : val;
+        const C d = (C)elem(p[k], j) - mu;
+        o[j] = decltype(B)::value ? cl_fma(d, scale, (C)elem(b, j)) : d * scale;
       }
     };
     auto cases = [&](const auto& g, const auto& b) {
@@ -222,22 +223,30 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
                                                        M, N, eps);
 }
 
-// Small M (the planner's choice for rows of one vector per thread in at most FWD_ROW_WARPS
-// warps, one row per block): the row's threads fixed at compile time, no row loop, and the
-// loads of gamma, beta and x issued first, together. The trap's branch after them ends the
-// block of code they are in: without it ptxas scheduled gamma's and beta's loads after the
+// One-row-per-thread-group kernel (the planner's choice for rows of one 16-byte vector per
+// thread: small M in at most FWD_ROW_WARPS whole warps, one row per block; or rows of at most a
+// warp, blockDim.y of them per block): the row's threads fixed at compile time, no row loop,
+// and the loads of gamma, beta and x issued first, together. The trap's branch after them ends
+// the block of code they are in: without it ptxas scheduled gamma's and beta's loads after the
 // row's first reduction, next to their use, so their memory trip followed x's instead of
-// overlapping it (SASS, nvcc 13.0 sm_90). The launch must be TPR x 1 threads in M blocks.
+// overlapping it (SASS, nvcc 13.0 sm_90). The launch must be TPR x blockDim.y threads (one row
+// per block where TPR spans warps) in a grid of exactly ceil(M / blockDim.y) blocks. y's
+// offsets are 32-bit: the planner takes this kernel only where M * N < 2^31.
 template <typename T, typename W, bool LN, int VEC, int WARP, int TPR, bool FULL>
-__global__ void __launch_bounds__(TPR) norm_fwd_row(CLN_FWD_PARAMS) {
+__global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_PARAMS) {
   typedef typename Acc<T>::type C;
-  const unsigned int row = blockIdx.x;
+  constexpr bool MANY = TPR <= WARP;  // rows stacked in blockDim.y, the last block partly past M
+  const unsigned int row = MANY ? blockIdx.x * blockDim.y + threadIdx.y : blockIdx.x;
+  const bool valid = !MANY || row < M;
   typename Held<W, VEC>::type hg[1], hb[1];
   Pack<T, VEC> raw[1];
   load_packs<VEC, 1, FULL>(gamma, 0, N, gamma != nullptr, hg);
   load_packs<VEC, 1, FULL>(beta, 0, N, beta != nullptr, hb);
-  load_packs<VEC, 1, FULL>(x + (cl_i64)row * ldx, 0, N, true, raw);
-  if ((int)blockDim.x != TPR || blockDim.y != 1 || (cl_i64)gridDim.x != M) cl_trap();
+  load_packs<VEC, 1, FULL>(x + (cl_i64)(valid ? row : 0) * ldx, 0, N, valid, raw);
+  const cl_i64 rows = blockDim.y;
+  const bool grid_ok = MANY ? gridDim.x * rows >= M && (gridDim.x - 1) * rows < M
+                            : blockDim.y == 1 && (cl_i64)gridDim.x == M;
+  if ((int)blockDim.x != TPR || !grid_ok) cl_trap();
   typename RowVec<T, VEC>::type p[1];
   to_row(raw[0], p[0]);
   const C inv_n = cl_inv_count(C(0), N);
@@ -246,6 +255,7 @@ __global__ void __launch_bounds__(TPR) norm_fwd_row(CLN_FWD_PARAMS) {
                                                   m2);
   const C mu = LN ? mean : C(0);
   const C rstd = cl_rsqrt(m2 * inv_n + eps);
+  if (!valid) return;  // after the row's reductions, which take every thread of the block
   if (threadIdx.x == 0) {
     if (LN) mean_out[row] = (float)mu;
     rstd_out[row] = (float)rstd;

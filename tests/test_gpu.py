@@ -468,32 +468,32 @@ def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
     (1024, 768, F16, F16, "g"), (7, 256, F32, F32, ""), (100, 256, F16, F32, "gb"),  # 3-1
     (300, 2048, BF16, F32, "gb"), (5, 512, F64, F64, "g"),  # 8 warps
     (9, 1000, F16, F16, "gb"), (200, 200, F32, F32, "b"),  # not a multiple of the block's row
+    (20001, 64, F16, F16, "gb"), (70000, 64, BF16, F32, "g"),  # rows of 8 threads, stacked
+    (5000, 256, F16, F32, "b"), (3001, 4, F32, F32, "gb"), (100000, 8, F16, F16, ""),  # 32, 1
+    (4097, 40, BF16, BF16, "gb"), (50000, 24, F64, F64, "b"),  # not a multiple of the row's
 ])
-def test_one_row_blocks(plans, op, M, N, dt, wdt, params):
-    """Small M, one 16-byte vector per thread in a few warps: the one-row kernel (norm_fwd_row)
-    exactly where FWD_ROW_WARPS allows it, one block of one row per row of x; it matches the
-    reference, with gamma and beta given or not (``params``). Against the general kernel on the
-    same rows its statistics agree bitwise (the same additions in the same order), and so does
-    y without beta. With beta the row kernel adds it in the product's rounding (one fused
-    multiply-add); the general kernel's four cases leave that to nvcc, which fused it in some
-    cases and not in others (S21-3: bfloat16 rows, no gamma), so there y is held to the
-    reference only."""
+def test_row_kernel(plans, op, M, N, dt, wdt, params):
+    """One 16-byte vector per thread: the row kernel (norm_fwd_row) exactly where FWD_ROW_WARPS
+    and FWD_ROW_SHORT allow it, one row per block of whole warps (small M) or rows of at most a
+    warp stacked in blockDim.y, the grid covering M. It matches the reference, with gamma and
+    beta given or not (``params``), and agrees bitwise with the general kernel on the same rows
+    (the same additions in the same order; beta added in the product's rounding in both)."""
     x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_g="g" in params, has_b="b" in params)
     x = cp.asarray(x_h)
     g, b = (None if a is None else cp.asarray(a) for a in (g_h, b_h))
     plans.spy("fwd")
     out = {}
-    for warps in (0, 8):
-        plans.replan(FWD_ROW_WARPS=warps)
-        out[warps] = cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
+    for on in (False, True):
+        plans.replan(FWD_ROW_WARPS=8 if on else 0, FWD_ROW_SHORT=on)
+        out[on] = cupyln.layer_norm_fwd(x, g, b) if op == "ln" else cupyln.rms_norm_fwd(x, g)
         (plan,) = plans
-        assert plan.spec.row == (warps > 0) == plan.variant.startswith("fwd_row"), plan.variant
+        assert plan.spec.row == on == plan.variant.startswith("fwd_row"), plan.variant
         check_case(op, x_h, dy_h, g_h, b_h)
-    assert plan.grid == (M,) and plan.block[1] == 1 and plan.spec.tpr == plan.block[0]
-    for a, c in zip(out[0][1:], out[8][1:], strict=True):
+    tpr, rpb = plan.block
+    assert plan.grid == (-(-M // rpb),) and plan.spec.tpr == tpr
+    assert rpb == 1 or tpr <= plan.spec.warp
+    for a, c in zip(out[False], out[True], strict=True):
         assert cp.array_equal(a, c)
-    if op == "rms" or b is None:
-        assert cp.array_equal(out[0][0], out[8][0])
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])

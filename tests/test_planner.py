@@ -144,9 +144,9 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     per thread), and no other kernel where it has it but a plain row would run; the variant
     without column tests exactly where a direct row's length is a multiple of its chunk; the
     row's threads fixed at compile time, at the block's width, exactly on rows of one chunk of
-    FWD_FIXED_WARPS warps and in the one-row kernel; that kernel (and its module alone) exactly
-    on blocks of one row of one 16-byte vector per thread in at most FWD_ROW_WARPS whole warps,
-    one block per row."""
+    FWD_FIXED_WARPS warps and in the row kernel; that kernel (and its module alone) exactly on
+    rows of one 16-byte vector per thread, in blocks of one row of at most FWD_ROW_WARPS whole
+    warps or of rows of at most a warp stacked, the grid covering M, M x N below 2^31."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
@@ -155,11 +155,13 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     assert base != "fwd" or not early
     assert base != "fwd_early" or early
     tpr, rpb = plan.block
-    one_row = (plan.spec.npt == 1 and rpb == 1 and plan.grid == (M,) and tpr % warp == 0
-               and tpr <= _launch.FWD_ROW_WARPS * warp
+    whole_warps = rpb == 1 and tpr % warp == 0 and tpr <= _launch.FWD_ROW_WARPS * warp
+    one_row = (plan.spec.npt == 1 and plan.grid == (-(-M // rpb),) and M * N < 2**31
+               and (whole_warps or tpr <= warp)
                and plan.spec.vec * plan.spec.dtype.itemsize == 16)
     assert (base == "fwd_row") == one_row == plan.spec.row
     assert not one_row or set(built) == {"fwd_row", "fwd_row_full"}
+    assert not one_row or tpr in _launch._row_kernel_widths(warp)  # in the offline builds
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
     chunk = tpr * plan.spec.npt * plan.spec.vec
     direct = base in ("fwd", "fwd_early", "fwd_row")
