@@ -3,11 +3,11 @@
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
 type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
 warp size, for the long-row backward the blocks of a thread-block cluster and, for wide forward
-rows and the one-row blocks of small M, the threads of a row. One module holds the kernels of
-one pass of a specialization (the forward kernels; the backward kernels of rows within a block
-with the partial reduction; or, for longer rows, the column-tile kernels with the row sums and
-the partial reduction), so a call compiles little more than it launches. CuPy's own disk cache
-(``CUPY_CACHE_DIR``) keeps the binaries across processes.
+rows and the row kernel's rows (one vector per thread), the threads of a row. One module holds
+the kernels of one pass of a specialization (the forward kernels; the backward kernels of rows
+within a block with the partial reduction; or, for longer rows, the column-tile kernels with the
+row sums and the partial reduction), so a call compiles little more than it launches. CuPy's
+own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across processes.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Spec(NamedTuple):
     warp: int  # 32 or 64
     tiles: int = 1  # backward: blocks per thread-block cluster (1: no cluster kernels)
     tpr: int = 0  # forward: threads per row fixed at compile time (0: blockDim.x)
-    row: bool = False  # forward: one row per block of tpr threads (norm_fwd_row alone)
+    row: bool = False  # forward: rows of one vector per thread of tpr (norm_fwd_row alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]

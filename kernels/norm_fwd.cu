@@ -223,14 +223,14 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
                                                        M, N, eps);
 }
 
-// One-row-per-thread-group kernel (the planner's choice for rows of one 16-byte vector per
-// thread: small M in at most FWD_ROW_WARPS whole warps, one row per block; or rows of at most a
-// warp, blockDim.y of them per block): the row's threads fixed at compile time, no row loop,
+// Rows of one vector per thread (the planner's choice for 16-byte vectors: small M in at most
+// FWD_ROW_WARPS whole warps, one row per block; or rows of at most a warp, blockDim.y of them
+// per block, whatever M): the row's threads fixed at compile time, no row loop,
 // and the loads of gamma, beta and x issued first, together. The trap's branch after them ends
 // the block of code they are in: without it ptxas scheduled gamma's and beta's loads after the
 // row's first reduction, next to their use, so their memory trip followed x's instead of
 // overlapping it (SASS, nvcc 13.0 sm_90). The launch must be TPR x blockDim.y threads (one row
-// per block where TPR spans warps) in a grid of exactly ceil(M / blockDim.y) blocks. y's
+// per block where TPR is more than a warp) in a grid of exactly ceil(M / blockDim.y) blocks. y's
 // offsets are 32-bit: the planner takes this kernel only where M * N < 2^31.
 template <typename T, typename W, bool LN, int VEC, int WARP, int TPR, bool FULL>
 __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_PARAMS) {
