@@ -81,25 +81,6 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
     const int col = c0 + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
     if (!FULL && col >= N) continue;
     C o[VEC];
-    // (x - mean) * (rstd * gamma) + beta: three operations per element (the last two fused),
-    // with the gamma/beta cases unswitched here rather than tested per element
-    auto out = [&](const auto& g, const auto& b, auto G, auto B) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
-        const C d = (C)elem(p[k], j) - mu;
-        o[j] = decltype(B)::value ? cl_fma(d, scale, (C)elem(b, j)) : d * scale;
-      }
-    };
-    auto cases = [&](const auto& g, const auto& b) {
-      if (gamma) {
-        if (beta) out(g, b, BoolC<true>(), BoolC<true>());
-        else out(g, b, BoolC<true>(), BoolC<false>());
-      } else {
-        if (beta) out(g, b, BoolC<false>(), BoolC<true>());
-        else out(g, b, BoolC<false>(), BoolC<false>());
-      }
-    };
     if constexpr (ONE_PATH) {
       static_assert(HELD, "one path: gamma/beta held");
 #pragma unroll
@@ -107,13 +88,34 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
         const C scale = rstd * (gamma ? (C)elem(hg[k], j) : C(1));
         o[j] = cl_fma((C)elem(p[k], j) - mu, scale, beta ? (C)elem(hb[k], j) : C(-0.0));
       }
-    } else if constexpr (HELD) {
-      cases(hg[k], hb[k]);
     } else {
-      Pack<W, VEC> g, b;
-      if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
-      if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
-      cases(g, b);
+      // (x - mean) * (rstd * gamma) + beta: three operations per element (the last two fused),
+      // with the gamma/beta cases unswitched here rather than tested per element
+      auto out = [&](const auto& g, const auto& b, auto G, auto B) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
+          const C d = (C)elem(p[k], j) - mu;
+          o[j] = decltype(B)::value ? cl_fma(d, scale, (C)elem(b, j)) : d * scale;
+        }
+      };
+      auto cases = [&](const auto& g, const auto& b) {
+        if (gamma) {
+          if (beta) out(g, b, BoolC<true>(), BoolC<true>());
+          else out(g, b, BoolC<true>(), BoolC<false>());
+        } else {
+          if (beta) out(g, b, BoolC<false>(), BoolC<true>());
+          else out(g, b, BoolC<false>(), BoolC<false>());
+        }
+      };
+      if constexpr (HELD) {
+        cases(hg[k], hb[k]);
+      } else {
+        Pack<W, VEC> g, b;
+        if (gamma) g = *reinterpret_cast<const Pack<W, VEC>*>(gamma + col);
+        if (beta) b = *reinterpret_cast<const Pack<W, VEC>*>(beta + col);
+        cases(g, b);
+      }
     }
     store_vec<VEC>(yr + col, o);
   }
