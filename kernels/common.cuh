@@ -466,23 +466,25 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 #if CLN_CLUSTERS
-// The row sums of the blocks of a cluster, exchanged without a cluster barrier per row: every
-// block stores its K sums into every block's `recv` with st.async, whose bytes complete a
-// transaction on the receiving block's mbarrier; a block waits on its own mbarrier, then adds
-// the CL slots in rank order (every block gets bitwise the same totals). A cluster barrier per
-// row (barrier.cluster.arrive.release) compiled to MEMBAR.ALL.GPU, which waits for the thread's
-// outstanding memory operations, the next row's copies included: tune.py S9-5, 4096x16384 f16
-// 152.9 us with it against 131.7 with the barrier relaxed (which orders nothing, so it is not
-// an option). Two buffers alternate by row; a block can write a buffer again (two rows later)
-// only after every block sent the sums of the row in between, which each sends after the block
-// barrier of its row_allreduce, so after all its threads read that buffer.
-template <int CL, int K, typename C> struct __align__(16) ClusterExchange {
-  C recv[2][CL][K];           // [buffer][rank][k]; st.async of two doubles needs 16 bytes
-  unsigned long long bar[2];  // mbarrier per buffer: one arrival and CL * K values to complete
+// The row sums of the blocks of a cluster, exchanged without a cluster barrier per row, and
+// without a block barrier: every warp stores its K warp sums into its slot of every block's
+// `recv` with st.async (lane r to rank r), whose bytes complete a transaction on the receiving
+// block's mbarrier; a block waits on its own mbarrier, then each lane adds its slots and the
+// warp's butterfly adds the lanes' (the same order in every block: bitwise the same totals). A
+// cluster barrier per row (barrier.cluster.arrive.release) compiled to MEMBAR.ALL.GPU, which
+// waits for the thread's outstanding memory operations, the next row's copies included: tune.py
+// S9-5, 4096x16384 f16 152.9 us with it against 131.7 with the barrier relaxed (which orders
+// nothing, so it is not an option). Two buffers alternate by row. A warp writes a block's buffer
+// again (two rows later) only after its own wait of the row in between, which completes only
+// once every warp of every block sent that row's sums; each warp sends them after the butterfly
+// that added the values it read from that buffer (it waits for the reads), so after it read them.
+template <int S, int K, typename C> struct __align__(16) ClusterExchange {
+  C recv[2][S][K];            // [buffer][rank * warps + warp][k]; st.async of two doubles: 16 B
+  unsigned long long bar[2];  // mbarrier per buffer: one arrival and the slots' bytes to complete
 };
-template <int CL, int K, typename C>
-__device__ __forceinline__ ClusterExchange<CL, K, C>& cluster_exchange() {
-  __shared__ ClusterExchange<CL, K, C> x;
+template <int S, int K, typename C>
+__device__ __forceinline__ ClusterExchange<S, K, C>& cluster_exchange() {
+  __shared__ ClusterExchange<S, K, C> x;
   return x;
 }
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
@@ -605,10 +607,10 @@ template <int XC, typename C> struct ClusterSums {
 };
 
 // Before the first cluster_allreduce: the mbarriers initialized, and visible to the cluster
-// before any block stores into another.
-template <int CL, int K, typename C> __device__ __forceinline__ void cluster_allreduce_init() {
+// before any block stores into another. S: the exchange's slots (CL times the most warps).
+template <int S, int K, typename C> __device__ __forceinline__ void cluster_allreduce_init() {
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C>();
+  auto& x = cluster_exchange<S, K, C>();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
 #pragma unroll
     for (int b = 0; b < 2; ++b) mbarrier_init(smem_addr(&x.bar[b]));
@@ -618,28 +620,29 @@ template <int CL, int K, typename C> __device__ __forceinline__ void cluster_all
 #endif
 }
 
-// Sums over the CL blocks of a cluster of this row's K = 2 values (already summed over the
-// block by row_allreduce, whose barrier the buffer reuse above relies on: blockDim.x > WARP).
-template <int CL, int K, typename C>
+// Sums over the row's threads in the CL blocks of a cluster (blockDim = (whole warps, 1), at
+// most S / CL warps) of this row's K = 2 values; `phase` is the row counter.
+template <int CL, int S, int WARP, int K, typename C>
 __device__ __forceinline__ void cluster_allreduce(C (&v)[K], int phase) {
   static_assert(K == 2, "two row sums");
 #if CLN_CLUSTERS
-  auto& x = cluster_exchange<CL, K, C>();
+  warp_allreduce<WARP>(v);
+  auto& x = cluster_exchange<S, K, C>();
   const int b = phase & 1;
+  const int lane = threadIdx.x % WARP, nw = blockDim.x / WARP, slots = CL * nw;
   const unsigned int bar = smem_addr(&x.bar[b]);
-  if (threadIdx.x == 0 && threadIdx.y == 0) {
-    mbarrier_expect(bar, (unsigned int)(CL * K * sizeof(C)));
-    const unsigned int slot = smem_addr(&x.recv[b][cluster_rank()][0]);
-#pragma unroll
-    for (int r = 0; r < CL; ++r) st_async2(cluster_addr(slot, r), v[0], v[1], cluster_addr(bar, r));
+  if (threadIdx.x == 0) mbarrier_expect(bar, (unsigned int)(slots * K * sizeof(C)));
+  if (lane < CL) {
+    const unsigned int slot = smem_addr(&x.recv[b][cluster_rank() * nw + threadIdx.x / WARP][0]);
+    st_async2(cluster_addr(slot, lane), v[0], v[1], cluster_addr(bar, lane));
   }
   mbarrier_wait(bar, (unsigned int)(phase >> 1) & 1u);  // this buffer's (phase / 2)-th completion
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = C(0);
+  for (int i = lane; i < slots; i += WARP)
 #pragma unroll
-  for (int r = 0; r < CL; ++r)
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] += x.recv[b][r][k];
+    for (int k = 0; k < K; ++k) v[k] += x.recv[b][i][k];
+  warp_allreduce<WARP>(v);
 #else
   cl_trap();  // the planner launches cluster kernels only where clusters exist
 #endif

@@ -53,15 +53,16 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
-  // one cluster per row (the host's CLUSTER_TILES), and rows of more than a warp (the sums'
-  // exchange relies on row_allreduce's block barrier)
-  if (CL > 1 && (gridDim.y != CL || blockDim.x <= WARP)) cl_trap();
+  // one cluster per row (the host's CLUSTER_TILES), a row of whole warps per block (the
+  // exchange's slots: CL times the launch bound's warps)
+  constexpr int CSLOTS = CL * (NPT == 1 ? 1024 : 512) / WARP;
+  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
-  if constexpr (CL > 1) cluster_allreduce_init<CL, 2, C>();
+  if constexpr (CL > 1) cluster_allreduce_init<CSLOTS, 2, C>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
@@ -209,9 +210,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
       s[0] = valid ? rowsums[2 * row] : C(0);
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
+    } else if constexpr (CL > 1) {
+      cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
     } else {
       row_allreduce<WARP>(s, phase);
-      if constexpr (CL > 1) cluster_allreduce<CL>(s, phase);  // the other tiles' sums
     }
     if (dx && valid) {
       // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
