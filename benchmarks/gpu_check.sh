@@ -21,7 +21,9 @@ export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cupy_cache}
 [ -f .cupy_cache/cache.tgz ] && mkdir -p "$CUPY_CACHE_DIR" && tar xzf .cupy_cache/cache.tgz -C "$CUPY_CACHE_DIR"
 stages=${*:-tests fuzz big sanitize bench}
 summary=()
-# Wheels carried in .whl/ (Liger-Kernel for the benchmark, nbclient/ipykernel for the notebook).
+# Wheels carried in .whl/ (Liger-Kernel for the benchmark; nbformat, nbclient, ipykernel and their
+# dependencies for the notebook test, built for the device's Python: `pip download --python-version
+# 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 ...`).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site

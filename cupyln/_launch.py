@@ -178,7 +178,11 @@ TILE_TPR, TILE_NPT = 256, 2  # long-row backward: threads of a column tile, vect
 # Since the tiles exchange their row sums without a cluster barrier per row (S9-6): 4096x16384
 # f16 128.4 us, 4096x32768 f16 251.4. Then (S9-11, 4 x 2 / 8 x 2 / 2 x 2): 4096x16384 129.2 /
 # 125.8 / 126.5, 4096x32768 251.6 / 248.2 / row sums path, 1151x16384 48.1 / 46.7 / 48.2; so 8
-# (a row of up to 8 x 2 x 512 vectors in one cluster).
+# (a row of up to 8 x 2 x 512 vectors in one cluster). Since each warp sends its sums to every
+# tile, with no block barrier per row (S23-1, tune.py, us, three rounds, warp sums / block sums):
+# 4096x16384 f16 120.3-121.4 / 121.7-122.9, 4096x32768 233.1-233.9 / 239.5-240.7, RMSNorm
+# 4096x16384 117.6-119.3 / 118.3-119.6; 4 tiles then (S23-4, 8 / 4): 4096x16384 120.8-122.1 /
+# 121.5-122.7, 4096x32768 233.2-234.5 / 241.3-242.5, RMSNorm 118.8-120.0 / 117.9-119.4.
 CLUSTER_TILES, CLUSTER_NPT, BWD_CLUSTER = 8, 2, True
 ROWSUMS_TPR = 1024
 
