@@ -23,11 +23,15 @@
 // memory while it reduces this one, so the row's loads stay in flight through its reductions.
 #include "common.cuh"
 
-// One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128. The
-// per-element work is kept to the arithmetic itself (SASS of the H200 build: 44 instructions per
-// element before): 16-bit rows converted from 32-bit words, no per-element bounds selects (an
-// out-of-range vector loads as zeros: dy = 0 and gamma = 0 there, so it adds nothing), gamma
-// held across rows where it fits, dx by two fused multiply-adds, one 16-byte store per vector.
+// One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128: the
+// backward kernels' launch bound (the host's _bwd_threads).
+__host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1024 : 512; }
+
+// The per-element work is kept to the arithmetic itself (SASS of the H200 build: 44
+// instructions per element before): 16-bit rows converted from 32-bit words, no per-element
+// bounds selects (an out-of-range vector loads as zeros: dy = 0 and gamma = 0 there, so it adds
+// nothing), gamma held across rows where it fits, dx by two fused multiply-adds, one 16-byte
+// store per vector.
 #define CLN_BWD_PARAMS                                                                        \
   const T *__restrict__ dy, cl_i64 lddy, const T *__restrict__ x, cl_i64 ldx,                \
       const W *__restrict__ gamma, const float *__restrict__ mean,                           \
@@ -55,7 +59,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   typedef Pack<T, VEC> P;
   // one cluster per row (the host's CLUSTER_TILES), a row of whole warps per block (the
   // exchange's slots: CL times the launch bound's warps)
-  constexpr int CSLOTS = CL * (NPT == 1 ? 1024 : 512) / WARP;
+  constexpr int CSLOTS = CL * bwd_max_threads(NPT) / WARP;
   if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
@@ -340,7 +344,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // norm_bwd_reduce's order (the planner's choice where that costs less than a second launch).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST,
           bool DYN = false>
-__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS) {
+__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN>(CLN_BWD_ARGS);
 }
@@ -348,7 +352,7 @@ __global__ void __launch_bounds__(NPT == 1 ? 1024 : 512) norm_bwd(CLN_BWD_PARAMS
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
 // where the rows fit in its blocks at once, see BWD_CLUSTER_SUMS).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC>
-__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
+__global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
   bwd_rows<T, W, LN, VEC, NPT, WARP, false, 1, false, XC>(CLN_BWD_ARGS);
 }
@@ -357,7 +361,7 @@ CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
 // that many blocks; CL is its CLUSTER_TILES); elsewhere norm_bwd_rowsums, then norm_bwd on
 // column tiles.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
-__global__ void __launch_bounds__(NPT == 1 ? 1024 : 512)
+__global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
 }
