@@ -35,6 +35,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 60, 32768, "float16", None),       # forward rows of 32 warps, threads fixed
     ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
+    ("rmsnorm", 3000, 1032, "float16", "float32"),   # row kernel, 2 warps x 4 vectors, not full
 ]
 
 bad = 0

@@ -3,7 +3,7 @@
 A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
 type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
 warp size, for the long-row backward the blocks of a thread-block cluster and, for wide forward
-rows and the row kernel's rows (one vector per thread), the threads of a row. One module holds
+rows and the row kernel's rows, the threads of a row. One module holds
 the kernels of one pass of a specialization (the forward kernels; the backward kernels of rows
 within a block with the partial reduction; or, for longer rows, the column-tile kernels with the
 row sums and the partial reduction), so a call compiles little more than it launches. CuPy's
@@ -40,7 +40,7 @@ class Spec(NamedTuple):
     warp: int  # 32 or 64
     tiles: int = 1  # backward: blocks per thread-block cluster (1: no cluster kernels)
     tpr: int = 0  # forward: threads per row fixed at compile time (0: blockDim.x)
-    row: bool = False  # forward: rows of one vector per thread of tpr (norm_fwd_row alone)
+    row: bool = False  # forward: rows of one chunk of tpr threads (norm_fwd_row alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -57,8 +57,9 @@ class Spec(NamedTuple):
             ln = "true" if self.is_ln else "false"
             if self.row:  # no column tests ("_full") for LayerNorm only, as below
                 row = f"norm_fwd_row<{t}, {w}, {ln}, {self.vec}, {self.warp}, {self.tpr}"
-                return {"fwd_row": row + ", false>",
-                        **({"fwd_row_full": row + ", true>"} if self.is_ln else {})}
+                npt = f", {self.npt}" if self.npt > 1 else ""
+                return {"fwd_row": row + f", false{npt}>",
+                        **({"fwd_row_full": row + f", true{npt}>"} if self.is_ln else {})}
             # the rows' threads fixed (tpr): rows of one chunk only, so no chunked kernel
             fixed = f", {self.tpr}" if self.tpr else ""
             names = {"fwd": f"norm_fwd<{a}, false, false, false{fixed}>",

@@ -105,6 +105,19 @@ FWD_FIXED_WARPS = (8, 16, 32)
 # thread (S22-4: 40 registers for RMSNorm, 54 for LayerNorm) gained at most 1.7%; blocks of 128
 # threads (FWD_SHORT_BLOCK) were as fast or slower, of 512 as fast. False: never (tests, tuning).
 FWD_ROW_WARPS, FWD_ROW_SHORT = 8, True
+# FWD_ROW_NPT_WARPS: the row kernel also takes rows of one chunk of several vectors per thread
+# (FWD_NPT) in 2 to FWD_ROW_NPT_WARPS whole warps (within FWD_ROW_WARPS), whatever M, one row per
+# block (stacked rows taken apart), the grid covering M: gamma and beta are then in flight with
+# the row, and no row loop. S24-2 (tune.py, us, three rounds, general kernel / row kernel, the
+# same vectors per thread; outputs bitwise equal): LN 4096x2048 f16 (2 rows of 2 warps per block
+# before) 15.04, 14.85, 14.99 / 13.62, 13.50, 13.50; 16384x2048 bf16 39.44, 39.47, 39.17 / 37.42,
+# 37.28, 37.63; 4096x4096 f16 (4 warps) 23.41, 23.17, 23.26 / 21.60, 21.65, 21.68; 4096x1024 f32
+# 13.44, 13.38, 13.41 / 13.22, 13.31, 13.17; LN 131072x4096 bf16 517.2-517.6 / 516.8-517.1, RMSNorm
+# 511.4-512.1 / 512.7-513.1. Rows of 8 warps lost (S24-1, 16384x8192 bf16 135.0-135.8 against
+# 138.6-140.3: 80 registers against 64), as did 8 and 16 warps of fewer vectors at 131072x4096
+# (552-608 us) and stacked rows of a warp (S24-2: 4096x1024 f16 9.5 against 11.7, spilling under
+# the 1024-thread launch bound). 0: never (tests, tuning).
+FWD_ROW_NPT_WARPS = 4
 # Backward also holds dy and two partial sums per element: one vector per thread for rows of up
 # to 512 threads, two for rows of up to 1024 vectors (longer rows take the column-tile path);
 # rows stacked up to 512 threads, so fewer blocks flush dgamma/dbeta partials. With staged rows
@@ -262,9 +275,14 @@ def vec_options(dtype):
     return out
 
 
-def _row_kernel_widths(warp):
-    """The row threads norm_fwd_row is built for: powers of two below a warp (rows stacked in
-    blockDim.y, FWD_ROW_SHORT) and 1 to FWD_ROW_WARPS whole warps."""
+def _row_kernel_widths(warp, npt=1):
+    """The row threads norm_fwd_row is built for at ``npt`` vectors per thread: for one,
+    powers of two below a warp (rows stacked in blockDim.y, FWD_ROW_SHORT) and 1 to
+    FWD_ROW_WARPS whole warps; for more (from FWD_NPT_MIN), 2 to FWD_ROW_NPT_WARPS whole warps
+    within those."""
+    if npt > 1:
+        top = min(FWD_ROW_WARPS, FWD_ROW_NPT_WARPS) if npt >= FWD_NPT_MIN else 0
+        return [w * warp for w in range(2, top + 1)]
     short = [1 << i for i in range(warp.bit_length() - 1)] if FWD_ROW_SHORT else []
     return short + [w * warp for w in range(1, FWD_ROW_WARPS + 1)]
 
@@ -291,9 +309,9 @@ def all_kernel_names(warp):
                                 continue  # wider than any row's threads
                             spec = Spec(t, w, ln, v, n, warp, tpr=wide * warp)
                             names.update(spec.names(pass_).values())
-                        if pass_ == "fwd" and n == 1 and v * t.itemsize == 16:
-                            for tpr in _row_kernel_widths(warp):
-                                spec = Spec(t, w, ln, v, 1, warp, tpr=tpr, row=True)
+                        if pass_ == "fwd" and v * t.itemsize == 16:
+                            for tpr in _row_kernel_widths(warp, n):
+                                spec = Spec(t, w, ln, v, n, warp, tpr=tpr, row=True)
                                 names.update(spec.names(pass_).values())
     return names
 
@@ -382,14 +400,20 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
-    # norm_fwd_row (see FWD_ROW_WARPS, FWD_ROW_SHORT): one 16-byte vector per thread, the grid
-    # covering M, within the kernel's 32-bit offsets of y; blocks of one row of whole warps, or
-    # rows of at most a warp stacked
+    # norm_fwd_row (see FWD_ROW_WARPS, FWD_ROW_SHORT, FWD_ROW_NPT_WARPS): 16-byte vectors, the
+    # grid covering M, within the kernel's 32-bit offsets of y; one vector per thread in blocks
+    # of one row of whole warps or rows of at most a warp stacked, or several in blocks of one
+    # row of 2 to FWD_ROW_NPT_WARPS whole warps
     one_row = g.rpb == 1 and g.tpr % info.warp == 0 and g.tpr <= FWD_ROW_WARPS * info.warp
     row = (g.fits and g.npt == 1 and grid[0] == _cdiv(M, g.rpb) and vec * dtype.itemsize == 16
            and M * N < 2**31 and (one_row or (FWD_ROW_SHORT and g.tpr <= info.warp))
            and g.tpr in _row_kernel_widths(info.warp))
-    fixed = row or (g.fits and g.tpr in [w * info.warp for w in FWD_FIXED_WARPS])
+    wp = info.warp
+    if (not row and g.fits and g.npt > 1 and g.tpr in _row_kernel_widths(wp, g.npt)
+            and vec * dtype.itemsize == 16 and M * N < 2**31
+            and M <= info.sms * FWD_GRID_PER_SM):
+        g, row, grid = g._replace(rpb=1), True, (M,)  # see FWD_ROW_NPT_WARPS
+    fixed = row or (g.fits and g.tpr in [w * wp for w in FWD_FIXED_WARPS])
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0, row=row)
     kerns = _compile.kernels(spec, "fwd")
     main = "fwd_row" if row else "fwd" if g.fits else "fwd_chunked"

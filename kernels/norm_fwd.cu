@@ -225,36 +225,39 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
                                                        M, N, eps);
 }
 
-// Rows of one vector per thread (the planner's choice for 16-byte vectors: small M in at most
-// FWD_ROW_WARPS whole warps, one row per block; or rows of at most a warp, blockDim.y of them
-// per block, whatever M): the row's threads fixed at compile time, no row loop,
-// and the loads of gamma, beta and x issued first, together. The trap's branch after them ends
-// the block of code they are in: without it ptxas scheduled gamma's and beta's loads after the
-// row's first reduction, next to their use, so their memory trip followed x's instead of
-// overlapping it (SASS, nvcc 13.0 sm_90). The launch must be TPR x blockDim.y threads (one row
-// per block where TPR is more than a warp) in a grid of exactly ceil(M / blockDim.y) blocks. y's
-// offsets are 32-bit: the planner takes this kernel only where M * N < 2^31.
-template <typename T, typename W, bool LN, int VEC, int WARP, int TPR, bool FULL>
+// Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
+// small M in at most FWD_ROW_WARPS whole warps, one row per block, or for rows of at most a
+// warp, blockDim.y of them per block, whatever M; FWD_NPT vectors for rows of 2 to
+// FWD_ROW_NPT_WARPS whole warps, one row per block, whatever M): the row's threads fixed at
+// compile time, no row loop, and the loads of gamma, beta and x issued first, together. The
+// trap's branch after them ends the block of code they are in: without it ptxas scheduled
+// gamma's and beta's loads after the row's first reduction, next to their use, so their memory
+// trip followed x's instead of overlapping it (SASS, nvcc 13.0 sm_90). The launch must be TPR x
+// blockDim.y threads (one row per block where TPR is more than a warp) in a grid of exactly
+// ceil(M / blockDim.y) blocks. y's offsets are 32-bit: the planner takes this kernel only where
+// M * N < 2^31.
+template <typename T, typename W, bool LN, int VEC, int WARP, int TPR, bool FULL, int NPT = 1>
 __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_PARAMS) {
   typedef typename Acc<T>::type C;
   constexpr bool MANY = TPR <= WARP;  // rows stacked in blockDim.y, the last block partly past M
   const unsigned int row = MANY ? blockIdx.x * blockDim.y + threadIdx.y : blockIdx.x;
   const bool valid = !MANY || row < M;
-  typename Held<W, VEC>::type hg[1], hb[1];
-  Pack<T, VEC> raw[1];
-  load_packs<VEC, 1, FULL>(gamma, 0, N, gamma != nullptr, hg);
-  load_packs<VEC, 1, FULL>(beta, 0, N, beta != nullptr, hb);
-  load_packs<VEC, 1, FULL>(x + (cl_i64)(valid ? row : 0) * ldx, 0, N, valid, raw);
+  typename Held<W, VEC>::type hg[NPT], hb[NPT];
+  Pack<T, VEC> raw[NPT];
+  load_packs<VEC, NPT, FULL>(gamma, 0, N, gamma != nullptr, hg);
+  load_packs<VEC, NPT, FULL>(beta, 0, N, beta != nullptr, hb);
+  load_packs<VEC, NPT, FULL>(x + (cl_i64)(valid ? row : 0) * ldx, 0, N, valid, raw);
   const cl_i64 rows = blockDim.y;
   const bool grid_ok = MANY ? gridDim.x * rows >= M && (gridDim.x - 1) * rows < M
                             : blockDim.y == 1 && (cl_i64)gridDim.x == M;
   if ((int)blockDim.x != TPR || !grid_ok) cl_trap();
-  typename RowVec<T, VEC>::type p[1];
-  to_row(raw[0], p[0]);
+  typename RowVec<T, VEC>::type p[NPT];
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
   const C inv_n = cl_inv_count(C(0), N);
   C n = C(0), mean = C(0), m2 = C(0);
-  chunk_stats<false, LN, WARP, VEC, 1, FULL, TPR>(p, 0, N, (cl_i64)TPR * VEC, 0, inv_n, n, mean,
-                                                  m2);
+  chunk_stats<false, LN, WARP, VEC, NPT, FULL, TPR>(p, 0, N, (cl_i64)TPR * NPT * VEC, 0, inv_n, n,
+                                                    mean, m2);
   const C mu = LN ? mean : C(0);
   const C rstd = cl_rsqrt(m2 * inv_n + eps);
   if (!valid) return;  // after the row's reductions, which take every thread of the block
@@ -263,6 +266,6 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
     rstd_out[row] = (float)rstd;
   }
   // one code path for the output: 0.03-0.13 us faster than the four cases (S21-2)
-  write_chunk<true, VEC, 1, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N,
-                                        hg, hb);
+  write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N,
+                                          hg, hb);
 }

@@ -471,11 +471,17 @@ def test_wide_rows_with_fixed_threads(plans, op, M, N, dt, wdt, has_b, stage):
     (20001, 64, F16, F16, "gb"), (70000, 64, BF16, F32, "g"),  # rows of 8 threads, stacked
     (5000, 256, F16, F32, "b"), (3001, 4, F32, F32, "gb"), (100000, 8, F16, F16, ""),  # 32, 1
     (4097, 40, BF16, BF16, "gb"), (50000, 24, F64, F64, "b"),  # not a multiple of the row's
+    # several vectors per thread (FWD_ROW_NPT_WARPS): rows of 2 warps stacked in the general
+    # kernel, of 2 not filling the chunk, of 4 and 3 warps, of 2 and 4 warps of 4-byte and
+    # 8-byte types
+    (4096, 2048, F16, F16, "gb"), (5000, 1032, F16, F32, "gb"), (3000, 4096, BF16, BF16, "b"),
+    (2000, 3072, F16, F16, "g"), (4096, 1024, F32, F32, ""), (1500, 1024, F64, F64, "gb"),
 ])
 def test_row_kernel(plans, op, M, N, dt, wdt, params):
-    """One 16-byte vector per thread: the row kernel (norm_fwd_row) exactly where FWD_ROW_WARPS
-    and FWD_ROW_SHORT allow it, one row per block of whole warps (small M) or rows of at most a
-    warp stacked in blockDim.y, the grid covering M. It matches the reference, with gamma and
+    """16-byte vectors: the row kernel (norm_fwd_row) exactly where FWD_ROW_WARPS, FWD_ROW_SHORT
+    and FWD_ROW_NPT_WARPS allow it: one vector per thread in one row per block of whole warps
+    (small M) or rows of at most a warp stacked in blockDim.y, or several in one row per block
+    of 2-4 warps, the grid covering M. It matches the reference, with gamma and
     beta given or not (``params``), and agrees bitwise with the general kernel on the same rows
     (the same additions in the same order; beta added in the product's rounding in both)."""
     x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_g="g" in params, has_b="b" in params)

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 _launch = pytest.importorskip("cupyln._launch", exc_type=ImportError)  # needs CuPy installed
@@ -138,32 +138,46 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True):
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 16), WARPS)
+# rows of 2-4 warps of several vectors each, stacked before (4096x2048) or not, past the grid's
+# cap, not a multiple of the chunk, of 64-lane warps
+@example("float16", 4096, 2048, 32)
+@example("bfloat16", 131072, 4096, 32)
+@example("bfloat16", 132 * 1024 + 1, 4096, 32)
+@example("float16", 5000, 1032, 32)
+@example("float32", 4096, 2048, 64)
 def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     """The forward planner takes a kernel of the module it compiles; the kernel that loads
     gamma/beta with the row wherever that module has it (4-byte and wider types, several vectors
-    per thread), and no other kernel where it has it but a plain row would run; the variant
+    per thread, outside the row kernel's module), and no other kernel where it has it but a plain row would run; the variant
     without column tests exactly where a direct row's length is a multiple of its chunk; the
     row's threads fixed at compile time, at the block's width, exactly on rows of one chunk of
     FWD_FIXED_WARPS warps and in the row kernel; that kernel (and its module alone) exactly on
-    rows of one 16-byte vector per thread, in blocks of one row of at most FWD_ROW_WARPS whole
-    warps or of rows of at most a warp stacked, the grid covering M, M x N below 2^31."""
+    rows of 16-byte vectors, the grid covering M, M x N below 2^31: one vector per thread in
+    blocks of one row of at most FWD_ROW_WARPS whole warps or of rows of at most a warp
+    stacked, or rows of one chunk of several vectors per thread in 2 to FWD_ROW_NPT_WARPS whole
+    warps (within FWD_ROW_WARPS), one per block."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
-    assert early == (plan.spec.npt > 1 and plan.spec.dtype.itemsize >= 4)
+    assert early == (plan.spec.npt > 1 and plan.spec.dtype.itemsize >= 4 and not plan.spec.row)
     base = plan.variant.removesuffix("_full")
     assert base != "fwd" or not early
     assert base != "fwd_early" or early
     tpr, rpb = plan.block
+    npt, vec = plan.spec.npt, plan.spec.vec
     whole_warps = rpb == 1 and tpr % warp == 0 and tpr <= _launch.FWD_ROW_WARPS * warp
-    one_row = (plan.spec.npt == 1 and plan.grid == (-(-M // rpb),) and M * N < 2**31
-               and (whole_warps or tpr <= warp)
-               and plan.spec.vec * plan.spec.dtype.itemsize == 16)
+    top = min(_launch.FWD_ROW_WARPS, _launch.FWD_ROW_NPT_WARPS)
+    several = (npt > 1 and tpr * npt * vec >= N and tpr % warp == 0
+               and 2 * warp <= tpr <= top * warp and M <= 132 * _launch.FWD_GRID_PER_SM)
+    one_row = ((npt == 1 and (whole_warps or tpr <= warp) or several)
+               and plan.grid == (-(-M // rpb),) and M * N < 2**31
+               and vec * plan.spec.dtype.itemsize == 16)
     assert (base == "fwd_row") == one_row == plan.spec.row
+    assert not (one_row and several) or rpb == 1  # stacked rows taken apart
     assert not one_row or set(built) == {"fwd_row", "fwd_row_full"}
-    assert not one_row or tpr in _launch._row_kernel_widths(warp)  # in the offline builds
+    assert not one_row or tpr in _launch._row_kernel_widths(warp, npt)  # in the offline builds
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
-    chunk = tpr * plan.spec.npt * plan.spec.vec
+    chunk = tpr * npt * vec
     direct = base in ("fwd", "fwd_early", "fwd_row")
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
     wide = plan.variant != "fwd_chunked" and tpr // warp in _launch.FWD_FIXED_WARPS
