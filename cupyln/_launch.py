@@ -400,19 +400,18 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
             g = g1
     g = _spread(g, M, info.warp, 2 * info.sms)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
-    # norm_fwd_row (see FWD_ROW_WARPS, FWD_ROW_SHORT, FWD_ROW_NPT_WARPS): 16-byte vectors, the
-    # grid covering M, within the kernel's 32-bit offsets of y; one vector per thread in blocks
-    # of one row of whole warps or rows of at most a warp stacked, or several in blocks of one
-    # row of 2 to FWD_ROW_NPT_WARPS whole warps
-    one_row = g.rpb == 1 and g.tpr % info.warp == 0 and g.tpr <= FWD_ROW_WARPS * info.warp
-    row = (g.fits and g.npt == 1 and grid[0] == _cdiv(M, g.rpb) and vec * dtype.itemsize == 16
-           and M * N < 2**31 and (one_row or (FWD_ROW_SHORT and g.tpr <= info.warp))
-           and g.tpr in _row_kernel_widths(info.warp))
+    # norm_fwd_row (see FWD_ROW_WARPS, FWD_ROW_SHORT, FWD_ROW_NPT_WARPS): rows of one chunk of
+    # 16-byte vectors, within the kernel's 32-bit offsets of y, the grid covering M; one vector
+    # per thread in blocks of one row of whole warps or rows of at most a warp stacked, or
+    # several in blocks of one row of 2 to FWD_ROW_NPT_WARPS whole warps (stacked rows apart)
     wp = info.warp
-    if (not row and g.fits and g.npt > 1 and g.tpr in _row_kernel_widths(wp, g.npt)
-            and vec * dtype.itemsize == 16 and M * N < 2**31
-            and M <= info.sms * FWD_GRID_PER_SM):
-        g, row, grid = g._replace(rpb=1), True, (M,)  # see FWD_ROW_NPT_WARPS
+    rg = g._replace(rpb=1) if g.npt > 1 else g
+    row = (g.fits and vec * dtype.itemsize == 16 and M * N < 2**31
+           and g.tpr in _row_kernel_widths(wp, g.npt)
+           and _cdiv(M, rg.rpb) <= info.sms * FWD_GRID_PER_SM
+           and (g.npt > 1 or g.rpb == 1 or (FWD_ROW_SHORT and g.tpr <= wp)))
+    if row:
+        g, grid = rg, (_cdiv(M, rg.rpb),)
     fixed = row or (g.fits and g.tpr in [w * wp for w in FWD_FIXED_WARPS])
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0, row=row)
     kerns = _compile.kernels(spec, "fwd")
