@@ -4,7 +4,9 @@
 
 Device time: CUDA-event medians after warm-up, each call behind a 256 MiB memset that evicts the
 L2 cache and a short spin kernel that keeps the GPU busy while the host enqueues the call, so
-host launch cost stays out of device time (it is measured separately). GB/s count the bytes
+host launch cost stays out of device time (it is measured separately). The providers of a shape
+take turns in ROUNDS rounds and each one's median is over all its rounds' calls, so a drift of
+the GPU's speed during the run falls on every provider alike. GB/s count the bytes
 each pass must move (forward 2*M*N*s, backward 3*M*N*s, plus parameters and statistics); every
 ratio is against the device-to-device copy bandwidth measured in the same run. Host time of a
 hot call: 2,000 back-to-back calls at 32x512 float16 with one synchronize. The JSON schema is
@@ -38,7 +40,13 @@ extern "C" __global__ void cupyln_spin(long long cycles) {
 
 
 def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
-    """Median device time of fn() in microseconds, cold L2, host launch cost hidden.
+    """Median device time of fn() in microseconds (see device_samples)."""
+    return float(np.median(device_samples(fn, n_warmup, n_repeat, spin_cycles)))
+
+
+def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
+    """Device times of ``n_repeat`` calls of fn() in microseconds, cold L2, host launch cost
+    hidden.
 
     Before each timed call: a 256 MiB memset evicts the L2 cache, then a one-thread kernel
     spins ~300 us so that the host has enqueued every launch of the call before the GPU
@@ -59,8 +67,31 @@ def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
         fn()
         e.record()
     ends[-1].synchronize()
-    ms = [cp.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends, strict=True)]
-    return float(np.median(ms)) * 1e3
+    return [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends, strict=True)]
+
+
+# Rounds in which a shape's providers take turns (device_us per provider per round: calls each).
+# S25-1 (three processes, three rounds each): at 192x1024 bf16 the backward's times of all
+# providers moved together between rounds by up to 12% (cupyln 9.47-11.17 us, PyTorch
+# 9.63-11.70), while within each round cupyln was 2-5% ahead; one provider timed after another
+# had read such a drift as a difference between them.
+ROUNDS, ROUND_CALLS = 5, 20
+
+
+def interleaved_us(fns):
+    """{name: median device time in us} of the callables ``fns``, which take turns in ROUNDS
+    rounds of ROUND_CALLS calls each; a callable that raises is left out of later rounds and
+    given as the exception."""
+    samples, failed = {k: [] for k in fns}, {}
+    for _ in range(ROUNDS):
+        for k, fn in fns.items():
+            if k in failed:
+                continue
+            try:
+                samples[k] += device_samples(fn, n_repeat=ROUND_CALLS)
+            except Exception as e:  # a peer that cannot run a shape is reported, not fatal
+                failed[k] = e
+    return {k: failed.get(k, float(np.median(v)) if v else None) for k, v in samples.items()}
 
 
 def copy_bandwidth(nbytes=4 << 30):
@@ -295,11 +326,9 @@ def run(shapes, progress=True):
     for op, M, N, dt in it:
         dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
-        for (prov, pass_), fn in cases(op, x, dy, g, b, torch, liger).items():
-            try:
-                us = device_us(fn)
-            except Exception as e:  # a peer that cannot run a shape is reported, not fatal
-                print(f"{prov} {op} {pass_} {M}x{N} {dt}: {type(e).__name__}: {e}")
+        for (prov, pass_), us in interleaved_us(cases(op, x, dy, g, b, torch, liger)).items():
+            if isinstance(us, Exception):
+                print(f"{prov} {op} {pass_} {M}x{N} {dt}: {type(us).__name__}: {us}")
                 continue
             gbs = moved_bytes(op, pass_, M, N, dtype.itemsize, dtype.itemsize) / us / 1e3
             rows.append({"op": op, "M": M, "N": N, "dtype": dt, "pass": pass_,

@@ -528,6 +528,22 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         assert plan.grid[1] == _launch.CLUSTER_TILES or not cluster
 
 
+@pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])
+def test_staged_clusters_with_need_flags(plans, need):
+    """The staged cluster backward (blocks looping over rows, sm_90) with dx or a parameter's
+    gradient left out: every row still takes its exchange, and what is computed matches the
+    reference."""
+    from cupyln import _launch
+
+    plans.spy("bwd")
+    check_case("ln", *inputs(301, 20000, F16, F32), need=need)
+    check_case("rms", *inputs(301, 20000, BF16, BF16), need=need)
+    assert plans
+    if _launch.device_info(cp.cuda.Device().id).clusters:
+        assert all(p.variant == "bwd_cluster_staged" and p.grid[0] < 301 for p in plans), \
+            [(p.variant, p.grid) for p in plans]
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [(32, 512, F16, F16), (1, 1, F32, F32),
                                         (37, 33, BF16, F32), (5, 512, F16, F32),
