@@ -70,7 +70,7 @@ def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     return [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends, strict=True)]
 
 
-# Rounds in which a shape's providers take turns (device_us per provider per round: calls each).
+# Rounds in which a shape's providers take turns, and each one's calls per round.
 # S25-1 (three processes, three rounds each): at 192x1024 bf16 the backward's times of all
 # providers moved together between rounds by up to 12% (cupyln 9.47-11.17 us, PyTorch
 # 9.63-11.70), while within each round cupyln was 2-5% ahead; one provider timed after another
