@@ -4,9 +4,11 @@
 
 Device time: CUDA-event medians after warm-up, each call behind a 256 MiB memset that evicts the
 L2 cache and a short spin kernel that keeps the GPU busy while the host enqueues the call, so
-host launch cost stays out of device time (it is measured separately). The providers of a shape
-take turns in ROUNDS rounds and each one's median is over all its rounds' calls, so a drift of
-the GPU's speed during the run falls on every provider alike. GB/s count the bytes
+host launch cost stays out of device time (it is measured separately); a random number of empty
+launches before each call mixes the two values that a small pass's time otherwise keeps for a
+whole block of calls (S26-3 to S26-5). The providers of a shape take turns in ROUNDS rounds and
+each one's median is over all its rounds' calls, so a drift of the GPU's speed during the run
+falls on every provider alike. GB/s count the bytes
 each pass must move (forward 2*M*N*s, backward 3*M*N*s, plus parameters and statistics); every
 ratio is against the device-to-device copy bandwidth measured in the same run. Host time of a
 hot call: 2,000 back-to-back calls at 32x512 float16 with one synchronize. The JSON schema is
@@ -44,13 +46,25 @@ def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     return float(np.median(device_samples(fn, n_warmup, n_repeat, spin_cycles)))
 
 
+# Empty launches before each timed call: a random 0 to PAD_LAUNCHES of them (a fixed seed).
+# S26-3: a small backward's time took one of two values per provider, 8-10% apart (LN 192x1024
+# bf16: cupyln 9.4 / 10.15 us, PyTorch 9.63 / 10.6), the same for a whole block of calls and
+# picked by the block's place in the run, not by the spin's length (S26-4); which provider was
+# ahead followed it. S26-5 (three repetitions, median of 5 x 20 calls): cupyln / PyTorch
+# 9.70 / 11.10, 10.08 / 10.88, 10.59 / 9.92 without the pads, 9.95 / 10.43, 10.03 / 10.37,
+# 9.92 / 10.38 with them; 1024x768 f16 12.06 / 14.66, 12.64 / 12.98, 13.41 / 13.25 against
+# 11.98 / 13.46, 11.90 / 13.42, 11.94 / 13.28.
+PAD_LAUNCHES = 7
+
+
 def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     """Device times of ``n_repeat`` calls of fn() in microseconds, cold L2, host launch cost
     hidden.
 
-    Before each timed call: a 256 MiB memset evicts the L2 cache, then a one-thread kernel
-    spins ~300 us so that the host has enqueued every launch of the call before the GPU
-    reaches it (gaps between a call's own launches would otherwise count as device time).
+    Before each timed call: a 256 MiB memset evicts the L2 cache, then 0 to PAD_LAUNCHES empty
+    launches (at random), then a one-thread kernel spins ~300 us so that the host has enqueued
+    every launch of the call before the GPU reaches it (gaps between a call's own launches
+    would otherwise count as device time).
     """
     flush = _FLUSH.get("buf")
     if flush is None:
@@ -59,9 +73,12 @@ def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
         fn()
     starts = [cp.cuda.Event() for _ in range(n_repeat)]
     ends = [cp.cuda.Event() for _ in range(n_repeat)]
-    spin = np.int64(spin_cycles)
-    for s, e in zip(starts, ends, strict=True):
+    spin, zero = np.int64(spin_cycles), np.int64(0)
+    pads = np.random.default_rng(0).integers(0, PAD_LAUNCHES + 1, n_repeat)
+    for s, e, pad in zip(starts, ends, pads, strict=True):
         flush.fill(0)
+        for _ in range(pad):
+            _SPIN((1,), (1,), (zero,))
         _SPIN((1,), (1,), (spin,))
         s.record()
         fn()
