@@ -46,7 +46,8 @@ def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     return float(np.median(device_samples(fn, n_warmup, n_repeat, spin_cycles)))
 
 
-# Empty launches before each timed call: a random 0 to PAD_LAUNCHES of them (a fixed seed).
+# Empty launches before each timed call: a random 0 to PAD_LAUNCHES of them (one generator of a
+# fixed seed for the process, as in S26-5's script).
 # S26-3: a small backward's time took one of two values per provider, 8-10% apart (LN 192x1024
 # bf16: cupyln 9.4 / 10.15 us, PyTorch 9.63 / 10.6), the same for a whole block of calls and
 # picked by the block's place in the run, not by the spin's length (S26-4); which provider was
@@ -55,6 +56,7 @@ def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
 # 9.92 / 10.38 with them; 1024x768 f16 12.06 / 14.66, 12.64 / 12.98, 13.41 / 13.25 against
 # 11.98 / 13.46, 11.90 / 13.42, 11.94 / 13.28.
 PAD_LAUNCHES = 7
+_PADS = np.random.default_rng(0)
 
 
 def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
@@ -74,7 +76,7 @@ def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     starts = [cp.cuda.Event() for _ in range(n_repeat)]
     ends = [cp.cuda.Event() for _ in range(n_repeat)]
     spin, zero = np.int64(spin_cycles), np.int64(0)
-    pads = np.random.default_rng(0).integers(0, PAD_LAUNCHES + 1, n_repeat)
+    pads = _PADS.integers(0, PAD_LAUNCHES + 1, n_repeat)
     for s, e, pad in zip(starts, ends, pads, strict=True):
         flush.fill(0)
         for _ in range(pad):
