@@ -46,8 +46,8 @@ def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     return float(np.median(device_samples(fn, n_warmup, n_repeat, spin_cycles)))
 
 
-# Empty launches before each timed call: a random 0 to PAD_LAUNCHES of them (one generator of a
-# fixed seed for the process, as in S26-5's script).
+# Empty launches before each timed call: a random 0 to PAD_LAUNCHES of them, from one generator
+# of a fixed seed (S26-5's script drew them the same way, a generator per timed shape).
 # S26-3: a small backward's time took one of two values per provider, 8-10% apart (LN 192x1024
 # bf16: cupyln 9.4 / 10.15 us, PyTorch 9.63 / 10.6), the same for a whole block of calls and
 # picked by the block's place in the run, not by the spin's length (S26-4); which provider was
