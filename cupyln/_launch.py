@@ -394,21 +394,20 @@ def _kinds(args, dtype):
 @functools.cache
 def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     info = device_info(dev_id)
-    g = row_geometry(N // vec, info.warp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK,
-                     FWD_SHORT_BLOCK)
+    wp = info.warp
+    g = row_geometry(N // vec, wp, FWD_NPT_MIN, FWD_NPT, FWD_TPR_MAX, FWD_BLOCK, FWD_SHORT_BLOCK)
     if FWD_SMALL_M:
-        g1 = row_geometry(N // vec, info.warp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX,
-                          FWD_BLOCK, FWD_SHORT_BLOCK)
+        g1 = row_geometry(N // vec, wp, FWD_SMALL_NPT, FWD_SMALL_NPT, FWD_TPR_MAX, FWD_BLOCK,
+                          FWD_SHORT_BLOCK)
         small = M * g1.tpr * FWD_SMALL_NPT <= FWD_SMALL_M_FILL * info.sms * info.threads_per_sm
-        if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= info.warp)):
+        if g1.fits and (small or (FWD_SHORT_NPT1 and g1.tpr <= wp)):
             g = g1
-    g = _spread(g, M, info.warp, 2 * info.sms)
+    g = _spread(g, M, wp, 2 * info.sms)
     grid = (min(_cdiv(M, g.rpb), info.sms * FWD_GRID_PER_SM),)
     # norm_fwd_row (see FWD_ROW_WARPS, FWD_ROW_SHORT, FWD_ROW_NPT_WARPS): rows of one chunk of
     # 16-byte vectors, within the kernel's 32-bit offsets of y, the grid covering M; one vector
     # per thread in blocks of one row of whole warps or rows of at most a warp stacked, or
     # several in blocks of one row of 2 to FWD_ROW_NPT_WARPS whole warps (stacked rows apart)
-    wp = info.warp
     rg = g._replace(rpb=1) if g.npt > 1 else g
     row = (g.fits and vec * dtype.itemsize == 16 and M * N < 2**31
            and g.tpr in _row_kernel_widths(wp, g.npt)
@@ -417,7 +416,7 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
     if row:
         g, grid = rg, (_cdiv(M, rg.rpb),)
     fixed = row or (g.fits and g.tpr in [w * wp for w in FWD_FIXED_WARPS])
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if fixed else 0, row=row)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, tpr=g.tpr if fixed else 0, row=row)
     kerns = _compile.kernels(spec, "fwd")
     main = "fwd_row" if row else "fwd" if g.fits else "fwd_chunked"
     block, smem = (g.tpr, g.rpb), 0
