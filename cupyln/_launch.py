@@ -61,7 +61,7 @@ FWD_STAGE = "auto"
 # Buffers of x per staged forward block: the kernel's (kernels/norm_fwd.cu, fwd_rows: one, the
 # next row copied into the slots this row was read from). A tuning constant for timing an older
 # source of two buffers against it (tune.py); the kernel traps where it gets less.
-FWD_STAGE_BUFS = 1
+FWD_STAGE_BUFS = 3
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
 # two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves)

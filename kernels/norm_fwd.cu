@@ -149,27 +149,29 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   // for them: two memory trips in a row, in the SASS.)
   constexpr bool EARLY = !CHUNKED && (NPT == 1 || EARLY_PARAMS);
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
-  // Staged rows (stage_packs): one buffer of [NPT][threads] packs of x in dynamic shared
-  // memory, given by the host (_launch.py); a launch with less traps. Each thread copies its
-  // slots of this row into registers, then starts the next row's copy into the same slots, so
-  // it reads back only what it copied (no barrier), and the copy is in flight through the
-  // row's reductions and stores. One buffer, not two: L1 keeps the rest of the SM's memory for
-  // gamma and beta, which every row reads again (see FWD_STAGE in _launch.py).
+  // Staged rows (stage_packs): BUFS buffers of [NPT][threads] packs of x in dynamic shared
+  // memory, given by the host (_launch.py, FWD_STAGE_BUFS); a launch with less traps. The copies
+  // of the next BUFS - 1 rows are in flight while a row is reduced and written. Each thread
+  // reads back only the slots it copied, so no barrier is added.
+  constexpr int BUFS = 3;
   typedef Pack<T, VEC> P;
   constexpr bool STAGED = STAGE && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
   extern __shared__ __align__(16) unsigned char cl_smem[];
   P* stage = reinterpret_cast<P*>(cl_smem);
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  auto prefetch = [&](cl_i64 row) {
+  auto prefetch = [&](cl_i64 row, int b) {
     if constexpr (STAGED) {
       const bool ok = row < M;
-      stage_packs<VEC, NPT>(stage, x + (ok ? row : 0) * ldx, 0, N, ok);
+      stage_packs<VEC, NPT>(stage + b * NPT * threads, x + (ok ? row : 0) * ldx, 0, N, ok);
       async_commit();
     }
   };
-  if constexpr (STAGED) require_dynamic_smem(1u * NPT * threads * sizeof(P));
-  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y);
+  if constexpr (STAGED) require_dynamic_smem((unsigned)BUFS * NPT * threads * sizeof(P));
+#pragma unroll
+  for (int b = 0; b + 1 < BUFS; ++b)
+    prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y + b * step, b);
+  int cur = 0;  // the buffer of this row; the one before it (cur - 1) takes the row BUFS - 1 on
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
@@ -179,10 +181,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       if constexpr (STAGED) {  // one chunk
-        async_wait<0>();  // this row's copies have landed
+        prefetch(row + (BUFS - 1) * step, cur == 0 ? BUFS - 1 : cur - 1);
+        async_wait<BUFS - 1>();  // this row's copies have landed; the next rows' stay in flight
+        const P* src = stage + cur * NPT * threads + tid;
 #pragma unroll
-        for (int k = 0; k < NPT; ++k) to_row(stage[k * threads + tid], p[k]);
-        prefetch(row + step);  // into the slots just read: the next row's copy stays in flight
+        for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
+        cur = cur + 1 == BUFS ? 0 : cur + 1;
       } else {
         load_row<VEC, NPT, FULL>(xr, (cl_i64)c * chunk, N, valid, p);
       }
