@@ -58,10 +58,6 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
 # 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
-# Buffers of x per staged forward block: the kernel's (kernels/norm_fwd.cu, fwd_rows: one, the
-# next row copied into the slots this row was read from). A tuning constant for timing an older
-# source of two buffers against it (tune.py); the kernel traps where it gets less.
-FWD_STAGE_BUFS = 3
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
 # two, after the reductions / with the row; f32 LayerNorm unless said): 4096x1024 (1.9 waves)
@@ -440,13 +436,13 @@ def plan_fwd(dev_id, dtype, wdtype, is_ln, M, N, vec):
 
 def _staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
     """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
-    least 4 bytes): FWD_STAGE_BUFS buffers of ``npt`` packs per thread of x (the forward), or
-    two of x and dy and then gamma once per block (the backward, which passes ``wdtype``)."""
+    least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
+    and then gamma once per block (the backward, which passes ``wdtype``)."""
     pack = vec * dtype.itemsize
     if not info.async_copy or pack < 4:
         return 0
     if wdtype is None:
-        return npt * tpr * FWD_STAGE_BUFS * pack * rpb
+        return npt * tpr * 2 * pack * rpb
     return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
 
 

@@ -149,11 +149,9 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   // for them: two memory trips in a row, in the SASS.)
   constexpr bool EARLY = !CHUNKED && (NPT == 1 || EARLY_PARAMS);
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
-  // Staged rows (stage_packs): BUFS buffers of [NPT][threads] packs of x in dynamic shared
-  // memory, given by the host (_launch.py, FWD_STAGE_BUFS); a launch with less traps. The copies
-  // of the next BUFS - 1 rows are in flight while a row is reduced and written. Each thread
-  // reads back only the slots it copied, so no barrier is added.
-  constexpr int BUFS = 3;
+  // Staged rows (stage_packs): two buffers of [NPT][threads] packs of x in dynamic shared
+  // memory, given by the host (_launch.py); a launch with less traps. Each thread reads back
+  // only the slots it copied, so no barrier is added.
   typedef Pack<T, VEC> P;
   constexpr bool STAGED = STAGE && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
   extern __shared__ __align__(16) unsigned char cl_smem[];
@@ -167,11 +165,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       async_commit();
     }
   };
-  if constexpr (STAGED) require_dynamic_smem((unsigned)BUFS * NPT * threads * sizeof(P));
-#pragma unroll
-  for (int b = 0; b + 1 < BUFS; ++b)
-    prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y + b * step, b);
-  int cur = 0;  // the buffer of this row; the one before it (cur - 1) takes the row BUFS - 1 on
+  if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
+  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
@@ -180,13 +175,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     const T* xr = x + (valid ? row : 0) * ldx;
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
-      if constexpr (STAGED) {  // one chunk
-        prefetch(row + (BUFS - 1) * step, cur == 0 ? BUFS - 1 : cur - 1);
-        async_wait<BUFS - 1>();  // this row's copies have landed; the next rows' stay in flight
-        const P* src = stage + cur * NPT * threads + tid;
+      if constexpr (STAGED) {  // one chunk: phase counts rows
+        prefetch(row + step, (phase + 1) & 1);
+        async_wait<1>();  // this row's copies have landed; the next row's stay in flight
+        const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
         for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
-        cur = cur + 1 == BUFS ? 0 : cur + 1;
       } else {
         load_row<VEC, NPT, FULL>(xr, (cl_i64)c * chunk, N, valid, p);
       }
