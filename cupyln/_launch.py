@@ -56,7 +56,9 @@ FWD_SHORT_NPT1, FWD_GRID_PER_SM = True, 1024
 # block's loads overlap its reductions: 4096x32768 f16 150.0 us against 172.7 direct. Where
 # several fit, blocks overlap one another and the direct kernel's one-row blocks were faster
 # (S7-1, tune.py, staged / direct: 4096x16384 f16 84.2 / 79.7 us, 16384x8192 bf16 155.6 /
-# 144.6, 131072x4096 bf16 607.1 / 534.7). "always" / "never": tests, tuning.
+# 144.6, 131072x4096 bf16 607.1 / 534.7). Two buffers (the next row's copy starts before this
+# row's has landed): one or three were slower for LayerNorm at 4096x32768 f16 (S29-1: one
+# 152.1 / 148.4 us; S29-2 and S18-2: three 150.9 / 147.6). "always" / "never": tests, tuning.
 FWD_STAGE = "auto"
 # Forward of several vectors per thread: gamma/beta loaded with the row, before the
 # reductions (the "fwd_early" kernel), for 4-byte and wider types. S10-3 (tune.py, us, means of
