@@ -3,7 +3,8 @@
 # Logs go to $OUT/logs.tgz (the device tool returns at most 8 files), results beside it; a short
 # table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all;
-#   TESTS_K="expr" runs only the GPU tests pytest -k selects),
+#   TESTS_K="expr" runs only the GPU tests pytest -k selects; TEST_WORKERS=N the processes
+#   that run them, default 8),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
@@ -42,12 +43,21 @@ run() {  # name, command...
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$last")")
 }
 
+# The tests and fuzz stages run in TEST_WORKERS processes on the one GPU (pytest-xdist, where
+# installed; 0: one process). Most of the suite's time is NVRTC compiling the specializations
+# the tests reach, on one CPU core per process: in one process the suite took 403-531 s
+# (S29-3, S30-2), close to a device call's 600 s.
+workers=()
+if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  workers=(-n "${TEST_WORKERS:-8}")
+fi
 for s in $stages; do
   case $s in
-    tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
-             tests/test_gpu.py tests/test_notebooks.py ;;
+    tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider "${workers[@]}" \
+             ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py tests/test_notebooks.py ;;
     fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
-            run fuzz python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fuzz ;;
+            run fuzz python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_gpu.py \
+            -k fuzz ;;
     big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu.py ;;
     multi) export NCCL_NVLS_ENABLE=0
       run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
