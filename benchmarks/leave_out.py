@@ -38,13 +38,6 @@ def without_reductions(src):
     return src
 
 
-def use_source(make):
-    """Compile from ``make()`` from now on (fresh module and plan caches)."""
-    _compile.source = make
-    _compile._module_cache.cache_clear()
-    _launch.clear_caches()
-
-
 def main(shapes):
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
@@ -59,13 +52,15 @@ def main(shapes):
                     ("rmsnorm gamma", cupyln.rms_norm_fwd, (x, g)),
                     ("rmsnorm none", cupyln.rms_norm_fwd, (x, None))]
         for source, tag in ((current, ""), (lambda: stripped, ", no reductions")):
-            use_source(source)
+            _compile.use_source(source)
+            _launch.clear_caches()
             for name, fn, args in variants:
                 us = device_us(functools.partial(fn, *args), n_repeat=30)
                 gbs = 2 * M * N * dtype.itemsize / us / 1e3  # x read, y written
                 print(f"{M:>6}x{N:<6} {dt:<8} {name + tag:<37} {us:8.1f} us "
                       f"{100 * gbs / copy:5.1f}%", flush=True)
-        use_source(current)
+        _compile.use_source(current)
+        _launch.clear_caches()
         x = g = b = None
         cp.get_default_memory_pool().free_all_blocks()
 

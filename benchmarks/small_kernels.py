@@ -57,10 +57,6 @@ def run(cases_path):
     defaults = {k: getattr(_launch, k) for v in VARIANTS.values() for k in v if k != "SOURCE"}
     current = _compile.source
 
-    def use_source(path):
-        _compile.source = current if path is None else (lambda: open(path).read())
-        _compile._module_cache.cache_clear()
-
     labels = []
     for op, M, N, dt in SHAPES:
         x, dy, g, b = make_inputs(M, N, dtype_of(dt))
@@ -68,7 +64,8 @@ def run(cases_path):
             for k, v in {**defaults, **variant}.items():
                 if k != "SOURCE":
                     setattr(_launch, k, v)
-            use_source(variant.get("SOURCE"))
+            path = variant.get("SOURCE")
+            _compile.use_source(current if path is None else (lambda p=path: open(p).read()))
             _launch.clear_caches()
             peers = (torch, liger) if name == "cupyln" else (None, None)  # peers once per shape
             for (prov, pass_), fn in cases(op, x, dy, g, b, *peers).items():
@@ -82,7 +79,7 @@ def run(cases_path):
                 labels.append(f"{op} {M}x{N} {dt} {pass_} {name if prov == 'cupyln' else prov}")
         for k, v in defaults.items():
             setattr(_launch, k, v)
-        use_source(None)
+        _compile.use_source(current)
         _launch.clear_caches()
     with open(cases_path, "w") as f:
         f.write("\n".join(labels) + "\n")

@@ -80,8 +80,7 @@ def main():
             for cfg in configs:
                 for k, v in {**DEFAULTS, **cfg}.items():
                     if k == "SOURCE":
-                        _compile.source = SOURCES[v]
-                        _compile._module_cache.cache_clear()
+                        _compile.use_source(SOURCES[v])
                     else:
                         setattr(_launch, k, v)
                 _launch.clear_caches()

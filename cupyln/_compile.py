@@ -151,6 +151,15 @@ def kernels(spec, pass_):
     return _module_cache()(spec, pass_)
 
 
+def use_source(make):
+    """Compile from ``make()`` from now on (a function returning one translation unit, as
+    :func:`source` does), with a fresh module cache: the benchmarks' kernel variants. Plans and
+    remembered calls keep their kernels until ``_launch.clear_caches()``."""
+    global source
+    source = make
+    _module_cache.cache_clear()
+
+
 # ----------------------------------------------------------------------------- offline checks
 
 

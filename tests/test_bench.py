@@ -29,3 +29,21 @@ def test_providers_take_turns_and_a_failing_one_is_left_out(monkeypatch):
     assert order == ["a", "b", "broken", "a", "b", "a", "b"]
     assert out["a"] == 4.0 and out["b"] == 5.0  # medians of (1, 4, 6) and (2, 5, 7)
     assert isinstance(out["broken"], RuntimeError)
+
+
+def test_leave_out_removes_exactly_the_forward_reductions():
+    import importlib.util
+    import pathlib
+
+    from cupyln import _compile
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "leave_out.py"
+    spec = importlib.util.spec_from_file_location("leave_out", path)
+    leave_out = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(leave_out)
+    src = _compile.source()
+    out = leave_out.without_reductions(src)
+    assert not any(call in out for call in leave_out.REDUCTIONS)
+    assert len(src) - len(out) == sum(map(len, leave_out.REDUCTIONS))
+    with pytest.raises(RuntimeError, match="not in the source"):
+        leave_out.without_reductions(out)

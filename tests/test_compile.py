@@ -72,3 +72,16 @@ def test_installed_package_finds_its_sources():
 
     src = _compile.source()
     assert "norm_fwd" in src and "row_allreduce" in src and '#include "common.cuh"' not in src
+
+
+def test_use_source_swaps_the_source_the_modules_compile():
+    from cupyln import _compile
+
+    current = _compile.source
+    try:
+        _compile.use_source(lambda: "// a variant")
+        assert _compile.source() == "// a variant"
+        assert "// a variant" in _compile.hip_source([])
+    finally:
+        _compile.use_source(current)
+    assert "row_allreduce" in _compile.source()
