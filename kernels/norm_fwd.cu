@@ -151,9 +151,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
   // Staged rows (stage_packs): two buffers of [NPT][threads] packs of x in dynamic shared
   // memory, given by the host (_launch.py); a launch with less traps. Each thread reads back
-  // only the slots it copied, so no barrier is added. A buffer is refilled with the row two
-  // ahead as soon as this row's statistics have used its values (read into registers), so two
-  // rows' copies are in flight through the row's stores, in two buffers' memory.
+  // only the slots it copied, so no barrier is added.
   typedef Pack<T, VEC> P;
   constexpr bool STAGED = STAGE && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
   extern __shared__ __align__(16) unsigned char cl_smem[];
@@ -169,7 +167,6 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   };
   if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
-  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y + step, 1);
   int phase = 0;
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
@@ -179,6 +176,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
       if constexpr (STAGED) {  // one chunk: phase counts rows
+        prefetch(row + step, (phase + 1) & 1);
         async_wait<1>();  // this row's copies have landed; the next row's stay in flight
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
@@ -192,8 +190,6 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       }
       chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL, TPR>(p, (cl_i64)c * chunk, N, chunk,
                                                           phase, inv_n, n, mean, m2);
-      // the statistics consumed every value read from the buffer: refill it (see above)
-      if constexpr (STAGED) prefetch(row + 2 * step, phase & 1);
     }
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
