@@ -45,8 +45,7 @@ run() {  # name, command...
 
 # The tests and fuzz stages run in TEST_WORKERS processes on the one GPU (pytest-xdist, where
 # installed; 0: one process). Most of the suite's time is NVRTC compiling the specializations
-# the tests reach, on one CPU core per process: in one process the suite took 403-531 s
-# (S29-3, S30-2), close to a device call's 600 s.
+# the tests reach, on one CPU core per process (one process: close to a device call's 600 s).
 workers=()
 if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
   workers=(-n "${TEST_WORKERS:-8}")
@@ -54,11 +53,11 @@ fi
 for s in $stages; do
   case $s in
     tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider "${workers[@]}" \
-             ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py tests/test_notebooks.py ;;
+             ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_*.py tests/test_notebooks.py ;;
     fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
-            run fuzz python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_gpu.py \
+            run fuzz python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_gpu_*.py \
             -k fuzz ;;
-    big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu.py ;;
+    big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu_*.py ;;
     multi) export NCCL_NVLS_ENABLE=0
       run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
       run example python3 examples/data_parallel.py ;;

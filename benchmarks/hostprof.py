@@ -16,7 +16,7 @@ import numpy as np
 from cupy_backends.cuda.api import driver as drv
 
 import cupyln
-from cupyln import _launch
+from cupyln import _layout
 from cupyln._driver import Launcher
 from cupyln.bench import host_us_per_call as per_call
 from cupyln.bench import make_inputs
@@ -32,13 +32,13 @@ params = lk._params_ptr
 mem = cp.cuda.alloc(1 << 16)
 xp = x.data.ptr
 F16 = np.dtype(np.float16)
-print("fast constructor in use:", _launch._ndarray.__name__ == "fast")
+print("fast constructor in use:", _layout._ndarray.__name__ == "fast")
 pieces = {
     "cupy.empty": lambda: cp.empty((32, 512), cp.float16),
     "cupy.cuda.alloc": lambda: cp.cuda.alloc(32 * 512 * 2),
     "ndarray(shape, dtype, memptr)": lambda: cp.ndarray((32, 512), cp.float16, mem),
     "ndarray(shape, np.dtype, memptr)": lambda: cp.ndarray((32, 512), F16, mem),
-    "_launch._ndarray (fast constructor)": lambda: _launch._ndarray((32, 512), F16, mem),
+    "_layout._ndarray (fast constructor)": lambda: _layout._ndarray((32, 512), F16, mem),
     "memptr + offset": lambda: mem + 256,
     "runtime.getDevice": cp.cuda.runtime.getDevice,
     "get_current_stream().ptr": lambda: cp.cuda.get_current_stream().ptr,
@@ -96,12 +96,9 @@ for _ in range(3):  # alternate the packages: the host's speed drifts during a r
     for name, fns in table.items():
         print(f"{name:<11} " + "  ".join(f"{c} {per_call(fn):6.2f}" for c, fn in fns.items())
               + " us")
-_launch.ATOMIC_FLUSH = True  # one kernel: the atomic flush
-_launch.clear_caches()
+atomic = cupyln.Config(bwd=cupyln.BwdConfig(atomic_flush=True))  # one kernel: the atomic flush
 print(f"{'layer_norm_bwd (atomic flush)':<36} "
-      f"{per_call(lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd)):7.2f} us")
-_launch.ATOMIC_FLUSH = False
-_launch.clear_caches()
+      f"{per_call(lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd, config=atomic)):7.2f} us")
 for name, fn in list(table["cupyln"].items())[:2]:
     pr = cProfile.Profile()
     pr.enable()

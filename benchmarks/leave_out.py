@@ -19,7 +19,7 @@ import sys
 import cupy as cp
 
 import cupyln
-from cupyln import _compile, _launch
+from cupyln import _compile
 from cupyln.bench import copy_bandwidth, device_us, dtype_of, make_inputs, parse_shapes
 
 SHAPES = ["layernorm:16384:8192:bfloat16", "layernorm:4096:16384:float16",
@@ -41,8 +41,8 @@ def without_reductions(src):
 def main(shapes):
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
-    current = _compile.source
-    stripped = without_reductions(current())
+    configs = ((cupyln.Config(), ""),
+               (cupyln.Config(source=without_reductions(_compile.source())), ", no reductions"))
     for _, M, N, dt in parse_shapes(shapes):
         dtype = dtype_of(dt)
         x, _, g, b = make_inputs(M, N, dtype)
@@ -51,16 +51,12 @@ def main(shapes):
                     ("layernorm none", cupyln.layer_norm_fwd, (x, None, None)),
                     ("rmsnorm gamma", cupyln.rms_norm_fwd, (x, g)),
                     ("rmsnorm none", cupyln.rms_norm_fwd, (x, None))]
-        for source, tag in ((current, ""), (lambda: stripped, ", no reductions")):
-            _compile.use_source(source)
-            _launch.clear_caches()
+        for config, tag in configs:
             for name, fn, args in variants:
-                us = device_us(functools.partial(fn, *args), n_repeat=30)
+                us = device_us(functools.partial(fn, *args, config=config), n_repeat=30)
                 gbs = 2 * M * N * dtype.itemsize / us / 1e3  # x read, y written
                 print(f"{M:>6}x{N:<6} {dt:<8} {name + tag:<37} {us:8.1f} us "
                       f"{100 * gbs / copy:5.1f}%", flush=True)
-        _compile.use_source(current)
-        _launch.clear_caches()
         x = g = b = None
         cp.get_default_memory_pool().free_all_blocks()
 

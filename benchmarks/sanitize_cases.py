@@ -2,17 +2,17 @@
 
 Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
 staged rows (cp.async; backward rows static or from tickets) and direct loads, for short rows
-(several per block), block rows (of 8, 16 and 32 warps: the forward's threads fixed at
-compile time), and long rows (clusters of column tiles, or row sums + column tiles), and few
-rows (one cluster that sums dgamma/dbeta, or the last block summing the partials); LayerNorm and
-RMSNorm. Exits non-zero when an output misses the reference tolerance.
+(several per block), block rows (of 8, 16 and 32 warps), and long rows (clusters of column
+tiles, or row sums + column tiles), and few rows (one cluster that sums dgamma/dbeta, or the
+last block summing the partials); LayerNorm and RMSNorm. Exits non-zero when an output misses
+the reference tolerance.
 """
 
 import sys
 
 import cupy as cp
 
-from cupyln import _check, _launch
+from cupyln import BwdConfig, Config, FwdConfig, _check
 
 CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
@@ -31,8 +31,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 600, 4096, "bfloat16", None),      # medium
     ("rmsnorm", 600, 4096, "float16", "float32"),
     ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
-    ("rmsnorm", 700, 8192, "bfloat16", None),        # forward rows of 8 warps, threads fixed
-    ("layernorm", 60, 32768, "float16", None),       # forward rows of 32 warps, threads fixed
+    ("rmsnorm", 700, 8192, "bfloat16", None),        # forward rows of 8 warps
+    ("layernorm", 60, 32768, "float16", None),       # forward rows of 32 warps
     ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
     ("rmsnorm", 3000, 1032, "float16", "float32"),   # row kernel, 2 warps x 4 vectors, not full
@@ -43,11 +43,11 @@ for op, M, N, dt, wdt in CASES:
     for det, atomic, stage, csum in ((False, False, "always", True), (True, False, "always", True),
                                      (False, True, "always", True), (False, False, "never", True),
                                      (False, False, "never", False)):
-        _launch.ATOMIC_FLUSH = atomic  # both dgamma/dbeta flushes of the backward
-        _launch.FWD_STAGE = _launch.BWD_STAGE = stage  # staged rows wherever possible, or nowhere
-        _launch.BWD_CLUSTER_SUMS = csum  # few rows: one cluster (direct rows), or the last block
-        _launch.clear_caches()  # no call remembered under the other flush
-        rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det)
+        # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
+        # cluster (direct rows), or the last block summing
+        config = Config(fwd=FwdConfig(stage=stage),
+                        bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum))
+        rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config)
         cp.cuda.Device().synchronize()
         worst = max(rows, key=lambda r: r[1] / r[2])
         ok = all(err <= tol for _, err, tol in rows)

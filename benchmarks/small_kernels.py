@@ -24,12 +24,12 @@ SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
           ("rmsnorm", 32, 512, "float16")]
 # CUPYLN_SMALL_SHAPES="op:M:N:dtype,..." profiles those instead (the format of tune.py's).
 SHAPES = env_shapes("CUPYLN_SMALL_SHAPES", SHAPES)
-# cupyln variants: _launch constants set for the case (the others keep their values), and
+# cupyln variants: forward config fields set for the case (the others keep their defaults), and
 # other kernel sources as in tune.py (CUPYLN_TUNE_SOURCES: name=file pairs)
-VARIANTS = {"cupyln": {}, "cupyln FWD_SMALL_M=0": {"FWD_SMALL_M": False}}
+VARIANTS = {"cupyln": {}, "cupyln small_m=False": {"small_m": False}}
 for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     name, path = item.split("=", 1)
-    VARIANTS[f"cupyln {name}"] = {"SOURCE": path}
+    VARIANTS[f"cupyln {name}"] = {"source": path}
 FLUSH = "l2_flush"
 DURATION, ACTIVE = "gpu__time_duration.sum", "sm__cycles_active.max"
 INSTR = "smsp__inst_executed.sum"
@@ -46,7 +46,7 @@ def run(cases_path):
     import cupy as cp
     import numpy as np
 
-    from cupyln import _compile, _launch
+    import cupyln
     from cupyln.bench import _liger, _torch, cases, dtype_of, make_inputs
 
     flush_buf = cp.empty(256 << 20, cp.uint8)
@@ -54,21 +54,17 @@ def run(cases_path):
                          "for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;"
                          " i < n; i += (long long)gridDim.x * blockDim.x) p[i] = 0; }", FLUSH)
     torch, liger = _torch(), _liger()
-    defaults = {k: getattr(_launch, k) for v in VARIANTS.values() for k in v if k != "SOURCE"}
-    current = _compile.source
 
     labels = []
     for op, M, N, dt in SHAPES:
         x, dy, g, b = make_inputs(M, N, dtype_of(dt))
         for name, variant in VARIANTS.items():
-            for k, v in {**defaults, **variant}.items():
-                if k != "SOURCE":
-                    setattr(_launch, k, v)
-            path = variant.get("SOURCE")
-            _compile.use_source(current if path is None else (lambda p=path: open(p).read()))
-            _launch.clear_caches()
+            fields = {k: v for k, v in variant.items() if k != "source"}
+            path = variant.get("source")
+            config = cupyln.Config(fwd=cupyln.FwdConfig(**fields),
+                                   source=None if path is None else open(path).read())
             peers = (torch, liger) if name == "cupyln" else (None, None)  # peers once per shape
-            for (prov, pass_), fn in cases(op, x, dy, g, b, *peers).items():
+            for (prov, pass_), fn in cases(op, x, dy, g, b, *peers, config=config).items():
                 fn(), fn()  # compile, plan, warm
                 cp.cuda.runtime.deviceSynchronize()
                 cp.cuda.profiler.start()
@@ -77,10 +73,6 @@ def run(cases_path):
                 cp.cuda.runtime.deviceSynchronize()
                 cp.cuda.profiler.stop()
                 labels.append(f"{op} {M}x{N} {dt} {pass_} {name if prov == 'cupyln' else prov}")
-        for k, v in defaults.items():
-            setattr(_launch, k, v)
-        _compile.use_source(current)
-        _launch.clear_caches()
     with open(cases_path, "w") as f:
         f.write("\n".join(labels) + "\n")
 

@@ -1,14 +1,16 @@
-"""Variants timed on one machine: the planner's geometry constants, and the kernel source.
+"""Planner configurations and kernel sources timed against each other on one machine.
 
     python benchmarks/tune.py
     CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tune.py   # also other kernel sources
     CUPYLN_TUNE_PASSES=fwd python benchmarks/tune.py                   # forward only
     CUPYLN_TUNE_SHAPES=layernorm:4096:1024:float16 python benchmarks/tune.py  # other shapes
+    CUPYLN_TUNE_BWD='[{"cluster_npt": 1}, {"source": "old"}]' python benchmarks/tune.py
 
-For each configuration the compile and plan caches are cleared, and every shape's forward and
-backward are timed as the benchmark does; the kernels' register and local-memory use are
-printed with them, and the copy bandwidth of the same run first; last, a summary of each
-configuration's times over the rounds.
+A configuration is a dict of FwdConfig (forward) or BwdConfig (backward) fields, and "source":
+the name of a kernel source (the others keep their defaults). Every shape's forward and backward
+are timed as the benchmark does under each configuration; the kernels' register and
+local-memory use are printed with them, and the copy bandwidth of the same run first; last, a
+summary of each configuration's times over the rounds.
 """
 
 import json
@@ -16,7 +18,8 @@ import os
 
 import cupy as cp
 
-from cupyln import _compile, _launch
+import cupyln
+from cupyln import _compile, _plan
 from cupyln.bench import cases, copy_bandwidth, device_us, dtype_of, env_shapes, make_inputs
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
@@ -29,25 +32,27 @@ SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfl
           ("layernorm", 4096, 4096, "float16"), ("rmsnorm", 16384, 8192, "bfloat16")]
 # CUPYLN_TUNE_SHAPES="op:M:N:dtype,..." times those instead.
 SHAPES = env_shapes("CUPYLN_TUNE_SHAPES", SHAPES)
-# Kernel sources: the current one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
+# Kernel sources: the shipped one, and others (CUPYLN_TUNE_SOURCES: name=file pairs, each file
 # holding all kernels as one translation unit, as _compile.source() makes it).
-SOURCES = {"current": _compile.source}
+SOURCES = {"current": None}
 for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     name, path = item.split("=", 1)
-    SOURCES[name] = lambda path=path: open(path).read()
-# Each configuration: the kernel source and planner constants of _launch (the others keep the
-# module's values).
-FWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", FWD_STAGE="always"), dict(SOURCE="current", FWD_STAGE="never")]
-BWD = [dict(SOURCE=s) for s in SOURCES] + [
-    dict(SOURCE="current", BWD_STAGE="never"), dict(SOURCE="current", BWD_CLUSTER=False),
-    dict(SOURCE="current", CLUSTER_NPT=1)]
-# CUPYLN_TUNE_FWD / CUPYLN_TUNE_BWD='[{"SOURCE": "current", "CLUSTER_NPT": 1}, ...]' (JSON) time
-# those configurations instead.
+    SOURCES[name] = open(path).read()
+FWD = [dict(source=s) for s in SOURCES] + [dict(stage="always"), dict(stage="never")]
+BWD = [dict(source=s) for s in SOURCES] + [
+    dict(stage="never"), dict(cluster=False), dict(cluster_npt=1)]
 FWD = json.loads(os.environ.get("CUPYLN_TUNE_FWD", "null")) or FWD
 BWD = json.loads(os.environ.get("CUPYLN_TUNE_BWD", "null")) or BWD
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
-DEFAULTS = {k: getattr(_launch, k) for cfg in FWD + BWD for k in cfg if k != "SOURCE"}
+
+
+def config_of(pass_, fields):
+    """The Config of one configuration dict of ``pass_``'s fields (and "source")."""
+    fields = dict(fields)
+    source = SOURCES[fields.pop("source", "current")]
+    if pass_ == "fwd":
+        return cupyln.Config(fwd=cupyln.FwdConfig(**fields), source=source)
+    return cupyln.Config(bwd=cupyln.BwdConfig(**fields), source=source)
 
 
 def attrs(k):
@@ -56,8 +61,8 @@ def attrs(k):
 
 def summary(times):
     """Lines of {(op, M, N, dtype, pass): {config: [us, ...]}}: per shape and pass, each
-    configuration's times in the order run (a configuration listed several times in
-    CUPYLN_TUNE_FWD/BWD gives one time per round)."""
+    configuration's times in the order run (a configuration listed several times gives one time
+    per round)."""
     lines = []
     for (op, M, N, dt, pass_), by_cfg in times.items():
         runs = " | ".join(f"{cfg}: {', '.join(f'{t:.2f}' for t in ts)}"
@@ -66,39 +71,35 @@ def summary(times):
     return lines
 
 
+def time_shape(op, M, N, dt, copy, times):
+    dtype = dtype_of(dt)
+    x, dy, g, b = make_inputs(M, N, dtype)
+    for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
+        if pass_ not in PASSES:
+            continue
+        for fields in configs:
+            config = config_of(pass_, fields)
+            fn = cases(op, x, dy, g, b, None, None, config=config)["cupyln", pass_]
+            us = device_us(fn, n_repeat=30)
+            label = json.dumps(fields, sort_keys=True)
+            times.setdefault((op, M, N, dt, pass_), {}).setdefault(label, []).append(us)
+            planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
+            plan = planner(x.device.id, config, dtype, dtype, op == "layernorm", M, N,
+                           16 // dtype.itemsize)
+            gbs = (2 if pass_ == "fwd" else 3) * M * N * dtype.itemsize / us / 1e3
+            print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {label} grid={plan.grid} "
+                  f"block={plan.block} vec={plan.spec.vec} smem={plan.smem} {plan.variant}"
+                  f"{' dynamic' if plan.dynamic else ''} {attrs(plan.kern)}: {us:8.2f} us "
+                  f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
+
+
 def main():
+    assert _compile.source()  # the shipped kernels are readable before any timing
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s", flush=True)
     times = {}
     for op, M, N, dt in SHAPES:
-        dtype = dtype_of(dt)
-        x, dy, g, b = make_inputs(M, N, dtype)
-        isz = dtype.itemsize
-        for pass_, configs in (("fwd", FWD), ("bwd", BWD)):
-            if pass_ not in PASSES:
-                continue
-            for cfg in configs:
-                for k, v in {**DEFAULTS, **cfg}.items():
-                    if k == "SOURCE":
-                        _compile.use_source(SOURCES[v])
-                    else:
-                        setattr(_launch, k, v)
-                _launch.clear_caches()
-                fn = cases(op, x, dy, g, b, None, None)["cupyln", pass_]
-                us = device_us(fn, n_repeat=30)
-                label = json.dumps(cfg, sort_keys=True)
-                times.setdefault((op, M, N, dt, pass_), {}).setdefault(label, []).append(us)
-                plan = (_launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd)(
-                    x.device.id, dtype, dtype, op == "layernorm", M, N, 16 // isz)
-                vec = plan.spec.vec
-                gbs = (2 if pass_ == "fwd" else 3) * M * N * isz / us / 1e3
-                print(f"{op:<9} {M:>6}x{N:<5} {dt:<8} {pass_} {cfg} grid={plan.grid} "
-                      f"block={plan.block} vec={vec} smem={plan.smem} {plan.variant}"
-                      f"{' dynamic' if plan.dynamic else ''} "
-                      f"{attrs(plan.kern)}: "
-                      f"{us:8.2f} us "
-                      f"{gbs:6.0f} GB/s {100 * gbs / copy:5.1f}%", flush=True)
-        x = dy = g = b = None
+        time_shape(op, M, N, dt, copy, times)
         cp.get_default_memory_pool().free_all_blocks()
     print("== summary: us per round", *summary(times), sep="\n")
 

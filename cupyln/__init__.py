@@ -1,27 +1,40 @@
-"""cupyln: LayerNorm and RMSNorm, forward and backward, as CuPy kernels (NumPy reference on CPU)."""
+"""cupyln: LayerNorm and RMSNorm, forward and backward, as CuPy kernels (NumPy reference on CPU).
 
-from .api import (
-    SUPPORTED_DTYPES,
-    layer_norm_bwd,
-    layer_norm_fwd,
-    rms_norm_bwd,
-    rms_norm_fwd,
-)
+The contract is ``docs/api.md``; ``help(cupyln.layer_norm_fwd)`` and the other functions carry
+their part of it.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from ._config import BwdConfig, Config, FwdConfig
+from ._dtypes import SUPPORTED_DTYPES
+from .api import clear_caches, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
+
+__version__ = "0.2.0"
 
 
-def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None):
-    """Compile ahead the kernels for ``(M, N, dtype)`` shapes on the current GPU, so that the
-    first real call does not pay NVRTC time. Binaries land in CuPy's disk cache
+def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=None, progress=False):
+    """Compile ahead the kernels of contiguous ``(M, N, dtype)`` shapes on the current GPU, so
+    that the first real call does not pay NVRTC time. Binaries land in CuPy's disk cache
     (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), so later processes load them.
-    Returns the number of plans made."""
-    from . import _launch
+    ``progress``: a progress bar (tqdm, where installed). Returns the number of plans made.
 
-    return _launch.warmup(shapes, ops, param_dtype)
+    Raises RuntimeError in one line where no GPU is usable.
+    """
+    from ._device import require_gpu
+
+    require_gpu("cupyln.warmup")
+    from . import _passes
+
+    return _passes.warmup(shapes, ops, param_dtype, config or Config(), progress)
+
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "BwdConfig",
+    "Config",
+    "FwdConfig",
+    "clear_caches",
     "layer_norm_bwd",
     "layer_norm_fwd",
     "rms_norm_bwd",

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import api
 from . import reference as ref
-from .api import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from ._dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 
 #: Largest |out - ref| allowed, relative to max |ref| of that output, by the output's dtype.
 #: 16-bit outputs are dominated by their own rounding (2^-11, 2^-8); float32 by accumulation.
@@ -63,23 +63,24 @@ def problem(xp, M, N, dtype, wdtype=None, seed=0):
     return tuple(xp.asarray(a) for a in (x, dy, gamma, beta))
 
 
-def check(xp, op, M, N, dtype, wdtype=None, seed=0, deterministic=False):
+def check(xp, op, M, N, dtype, wdtype=None, seed=0, deterministic=False, config=None):
     """Run forward and backward of ``op`` ('layernorm'/'rmsnorm') through cupyln on ``xp``
     arrays and return rows ``(output, max_err, tol)`` against the reference."""
     x, dy, gamma, beta = problem(xp, M, N, dtype, wdtype, seed)
     h = [to_numpy(a) for a in (x, dy, gamma, beta)]
     rows = []
     if op == "layernorm":
-        y, mean, rstd = api.layer_norm_fwd(x, gamma, beta)
+        y, mean, rstd = api.layer_norm_fwd(x, gamma, beta, config=config)
         ry, rm, rr = ref.layer_norm_fwd(h[0], h[2], h[3])
-        grads = api.layer_norm_bwd(dy, x, gamma, mean, rstd, deterministic=deterministic)
+        grads = api.layer_norm_bwd(dy, x, gamma, mean, rstd, deterministic=deterministic,
+                                   config=config)
         rgrads = ref.layer_norm_bwd(h[1], h[0], h[2], to_numpy(mean), to_numpy(rstd))
         outs = [("y", y, ry), ("mean", mean, rm), ("rstd", rstd, rr)]
         names = ("dx", "dgamma", "dbeta")
     else:
-        y, rstd = api.rms_norm_fwd(x, gamma)
+        y, rstd = api.rms_norm_fwd(x, gamma, config=config)
         ry, rr = ref.rms_norm_fwd(h[0], h[2])
-        grads = api.rms_norm_bwd(dy, x, gamma, rstd, deterministic=deterministic)
+        grads = api.rms_norm_bwd(dy, x, gamma, rstd, deterministic=deterministic, config=config)
         rgrads = ref.rms_norm_bwd(h[1], h[0], h[2], to_numpy(rstd))
         outs = [("y", y, ry), ("rstd", rstd, rr)]
         names = ("dx", "dgamma")

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
+from collections.abc import Sequence
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from . import reference as _ref
+from ._config import DEFAULT, Config
+from ._dtypes import FLOAT32, SUPPORTED_DTYPES, SUPPORTED_NAMES, param_dtype
+from ._layout import span
 
 try:  # CuPy is optional: without it only NumPy arrays are accepted.
     import cupy as _cp
@@ -21,13 +26,9 @@ try:  # CuPy is optional: without it only NumPy arrays are accepted.
 except Exception:  # pragma: no cover - exercised on machines without CuPy
     _CUPY_ARRAY = ()
 
-FLOAT16 = np.dtype(np.float16)
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-FLOAT32 = np.dtype(np.float32)
-FLOAT64 = np.dtype(np.float64)
-#: dtypes accepted for x and dy
-SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
-_SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"
+Array = Any  # numpy.ndarray or cupy.ndarray
+Outputs = tuple | list | None
+
 _MAX_GPU_N = 2**31  # the forward kernel indexes within a row with 32-bit offsets
 
 
@@ -77,10 +78,10 @@ def _check_devices(arrays):
 
 def _check_dtype(name, a):
     if a.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {a.dtype}; expected {_SUPPORTED_NAMES}")
+        raise TypeError(f"{name} has dtype {a.dtype}; expected {SUPPORTED_NAMES}")
 
 
-def _check_param_dtype(name, p, x_dtype):
+def _checkparam_dtype(name, p, x_dtype):
     if p.dtype != x_dtype and p.dtype != FLOAT32:
         raise TypeError(
             f"{name} has dtype {p.dtype}; expected x's dtype ({x_dtype}) or float32"
@@ -96,6 +97,14 @@ def _check_eps(eps):
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return eps
+
+
+def _check_config(config):
+    if config is None:
+        return DEFAULT
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a cupyln.Config or None, got {type(config).__name__}")
+    return config
 
 
 def _check_flag(name, v):
@@ -182,7 +191,7 @@ def _check_bwd(dy, x, gamma, stats):
         raise ValueError("x must have at least one axis, got a 0-d array")
     k = _check_stats(x, stats)
     if gamma is not None:
-        _check_param_dtype("gamma", gamma, x.dtype)
+        _checkparam_dtype("gamma", gamma, x.dtype)
         if tuple(gamma.shape) != tuple(x.shape[x.ndim - k :]):
             raise ValueError(
                 f"gamma has shape {tuple(gamma.shape)}; expected the normalized shape "
@@ -191,20 +200,6 @@ def _check_bwd(dy, x, gamma, stats):
     if kind == "cupy":
         _check_devices([("dy", dy), ("x", x), ("gamma", gamma)] + stats)
     return kind, k
-
-
-def _span(a):
-    """[lo, hi) byte range that array ``a`` touches (any strides)."""
-    ptr = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
-    if a.flags.c_contiguous:  # the common case, without a loop over the axes
-        return ptr, ptr + a.nbytes
-    lo = hi = ptr
-    for n, st in zip(a.shape, a.strides, strict=True):
-        if n == 0:
-            return ptr, ptr
-        lo += min(0, (n - 1) * st)
-        hi += max(0, (n - 1) * st)
-    return lo, hi + a.itemsize
 
 
 def _check_out(out, want, kind, dev, inputs):
@@ -235,8 +230,8 @@ def _check_out(out, want, kind, dev, inputs):
         if kind == "cupy" and o.data.device_id != dev:
             raise ValueError(f"{label} is on device {o.data.device_id}; the inputs are on {dev}")
         if spans is None:
-            spans = [(f"the input {n}", _span(a)) for n, a in inputs if a is not None and a.size]
-        lo, hi = _span(o)
+            spans = [(f"the input {n}", span(a)) for n, a in inputs if a is not None and a.size]
+        lo, hi = span(o)
         for n, (ilo, ihi) in spans:
             if o.size and lo < ihi and ilo < hi:
                 raise ValueError(f"{label} overlaps {n}")
@@ -253,18 +248,13 @@ def _into(o, value):
     return o
 
 
-def _param_dtype(gamma, x_dtype):
-    """dtype of dgamma/dbeta: gamma's, or x's when there is no gamma."""
-    return x_dtype if gamma is None else gamma.dtype
-
-
 # ----------------------------------------------------------------------------- hot calls
 #
 # A CuPy call whose signature (types, shapes, strides, dtypes, devices, eps and flags, the same
 # for out= arrays) passed validation once, and whose arrays went to the kernels without a copy,
 # is remembered with its prepared launch: a later call of that signature skips validation and
 # planning. What depends on more than the signature (pointer alignment, out= overlap, the current
-# device) is still checked on every call, by the prepared launch (see _launch).
+# device) is still checked on every call, by the prepared pass (see _passes).
 _HOT = {}
 _HOT_MAX = 4096  # signatures kept; past that the table starts over
 
@@ -296,10 +286,10 @@ def _remember(key):
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
+def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config):
     key = None
     if type(x) is _CUPY_ARRAY and type(eps) is float and normalized_shape is None:
-        key = _key((is_ln, eps), (x, gamma, beta), out)
+        key = _key((is_ln, eps) if config is None else (is_ln, eps, config), (x, gamma, beta), out)
         hot = _HOT.get(key)
         if hot is not None:
             res = hot(x, gamma, beta, out)
@@ -312,8 +302,9 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
     _check_dtype("x", x)
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is not None:
-            _check_param_dtype(name, p, x.dtype)
+            _checkparam_dtype(name, p, x.dtype)
     eps = _check_eps(eps)
+    config = _check_config(config)
     k = _norm_ndim(x, gamma, beta, normalized_shape)
     dev = None
     if kind == "cupy":
@@ -329,9 +320,9 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
         want.append(("rstd", lead, FLOAT32, True))
         out = _check_out(out, want, kind, dev, inputs)
     if kind == "cupy":
-        from . import _launch
+        from . import _passes
 
-        return _launch.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key))
+        return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key), config)
     out = out or (None,) * (3 if is_ln else 2)
     if is_ln:
         y, mean, rstd = _ref.layer_norm_fwd(x, gamma, beta, eps, k)
@@ -341,28 +332,98 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out):
     return _into(out[0], y.astype(x.dtype)), _into(out[1], rstd.astype(FLOAT32))
 
 
-def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, *, normalized_shape=None, out=None):
-    """LayerNorm forward. Returns ``(y, mean, rstd)``; mean/rstd are float32 of x's leading shape.
+def layer_norm_fwd(
+    x: Array, gamma: Array | None = None, beta: Array | None = None, eps: float = 1e-5, *,
+    normalized_shape: int | Sequence[int] | None = None, out: Outputs = None,
+    config: Config | None = None,
+) -> tuple[Array, Array, Array]:
+    """LayerNorm forward: ``y = (x - mean) * rstd * gamma + beta`` over the normalized axes.
 
-    The trailing ``gamma.ndim`` axes of ``x`` are normalized (the last axis when gamma and beta
-    are None, or the axes ``normalized_shape`` names). ``out=(y, mean, rstd)`` writes into
-    preallocated C-contiguous arrays (an entry may be None); they must not overlap the inputs.
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or float64, any strides. The
+        trailing ``gamma.ndim`` axes are normalized (the last axis when gamma and beta are None,
+        or the axes ``normalized_shape`` names); every leading axis is a row.
+    gamma, beta : array or None
+        The normalized shape, in x's dtype or float32. None: no scale (1) / no shift (0).
+    eps : float
+        Added to the variance; finite and >= 0. With ``eps=0`` a constant row gives
+        ``rstd = inf`` and ``y = nan``.
+    normalized_shape : int or tuple of ints, optional
+        The normalized axes' shape when gamma and beta are None (torch-style).
+    out : tuple (y, mean, rstd), optional
+        Preallocated, writable, C-contiguous arrays of the outputs' shapes and dtypes (an entry
+        may be None), overlapping no input and no other output.
+    config : cupyln.Config, optional
+        The planner's choices (kernel variants); None is ``cupyln.Config()``. GPU only.
+
+    Returns
+    -------
+    y : array
+        x's shape and dtype.
+    mean, rstd : array
+        float32, of x's leading shape (``rstd = 1 / sqrt(var + eps)``, var biased).
+
+    Raises
+    ------
+    TypeError
+        A non-array, an unsupported dtype, NumPy and CuPy arrays mixed, a bad ``eps`` type.
+    ValueError
+        Shapes that do not match, a negative or non-finite ``eps``, arrays on different
+        devices, an ``out=`` entry that overlaps an input or is read-only.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyln
+    >>> x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
+    >>> y, mean, rstd = cupyln.layer_norm_fwd(x)
+    >>> mean, np.round(y, 3)
+    (array([2.5], dtype=float32), array([[-1.342, -0.447,  0.447,  1.342]], dtype=float32))
     """
-    return _fwd(x, gamma, beta, eps, normalized_shape, True, out)
+    return _fwd(x, gamma, beta, eps, normalized_shape, True, out, config)
 
 
-def rms_norm_fwd(x, gamma=None, eps=1e-6, *, normalized_shape=None, out=None):
-    """RMSNorm forward. Returns ``(y, rstd)``; rstd is float32 of x's leading shape.
-    ``out=(y, rstd)`` as in :func:`layer_norm_fwd`."""
-    return _fwd(x, gamma, None, eps, normalized_shape, False, out)
+def rms_norm_fwd(
+    x: Array, gamma: Array | None = None, eps: float = 1e-6, *,
+    normalized_shape: int | Sequence[int] | None = None, out: Outputs = None,
+    config: Config | None = None,
+) -> tuple[Array, Array]:
+    """RMSNorm forward: ``y = x * rstd * gamma`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+
+    Parameters are those of :func:`layer_norm_fwd` without beta; ``out=(y, rstd)``.
+
+    Returns
+    -------
+    y : array
+        x's shape and dtype.
+    rstd : array
+        float32, of x's leading shape.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`layer_norm_fwd`.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyln
+    >>> y, rstd = cupyln.rms_norm_fwd(np.array([[3.0, 4.0]]), eps=0.0)
+    >>> y, rstd
+    (array([[0.84852814, 1.13137085]]), array([0.28284273], dtype=float32))
+    """
+    return _fwd(x, gamma, None, eps, normalized_shape, False, out, config)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
-def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out):
+def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out,
+         config):
     key = None
     flags = (need_dx, need_dgamma, need_dbeta, deterministic)
+    if config is not None:
+        flags += (config,)
     if type(x) is _CUPY_ARRAY and type(need_dx) is type(need_dgamma) is type(need_dbeta) is type(
         deterministic
     ) is bool:
@@ -378,24 +439,25 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
     need_dgamma = _check_flag("need_dgamma", need_dgamma) and gamma is not None
     need_dbeta = _check_flag("need_dbeta", need_dbeta)
     deterministic = _check_flag("deterministic", deterministic)
+    config = _check_config(config)
     if out is not None:
         norm = tuple(x.shape[x.ndim - k :])
-        pdt = _param_dtype(gamma, x.dtype)
+        pdt = param_dtype(gamma, x.dtype)
         want = [("dx", x.shape, x.dtype, need_dx), ("dgamma", norm, pdt, need_dgamma)]
         want += [("dbeta", norm, pdt, need_dbeta)] if mean is not None else []
         dev = x.data.device_id if kind == "cupy" else None
         out = _check_out(out, want, kind, dev, [("dy", dy), ("x", x), ("gamma", gamma)] + stats)
         out = out + (None,) * (3 - len(out))  # RMSNorm: no dbeta
     if kind == "cupy":
-        from . import _launch
+        from . import _passes
 
-        return _launch.backward(
+        return _passes.backward(
             dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out,
-            _remember(key),
+            _remember(key), config,
         )
     out = out or (None, None, None)
     dx, dgamma, dbeta = _ref._norm_bwd(dy, x, gamma, mean, rstd)
-    pdt = _param_dtype(gamma, x.dtype)
+    pdt = param_dtype(gamma, x.dtype)
     return (
         _into(out[0], dx.astype(x.dtype)) if need_dx else None,
         _into(out[1], dgamma.astype(pdt)) if need_dgamma else None,
@@ -404,25 +466,95 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
 
 
 def layer_norm_bwd(
-    dy, x, gamma, mean, rstd, *, need_dx=True, need_dgamma=True, need_dbeta=True,
-    deterministic=False, out=None,
-):
-    """LayerNorm backward. Returns ``(dx, dgamma, dbeta)``; an output not asked for is None.
+    dy: Array, x: Array, gamma: Array | None, mean: Array, rstd: Array, *,
+    need_dx: bool = True, need_dgamma: bool = True, need_dbeta: bool = True,
+    deterministic: bool = False, out: Outputs = None, config: Config | None = None,
+) -> tuple[Array | None, Array | None, Array | None]:
+    """LayerNorm backward from the forward's saved ``mean`` and ``rstd``.
 
-    dgamma is None when gamma is None; dgamma/dbeta have gamma's dtype (x's when gamma is None).
-    ``deterministic=True`` makes dgamma/dbeta bitwise repeatable on the same device and shapes.
-    ``out=(dx, dgamma, dbeta)`` writes into preallocated C-contiguous arrays; an entry may be
-    None, and must be None for an output that is not computed.
+    Parameters
+    ----------
+    dy, x : array
+        The gradient of y and the forward's input: one shape, one dtype.
+    gamma : array or None
+        The forward's gamma (None: dgamma is None).
+    mean, rstd : array
+        float32, of the leading shape: they say which axes are normalized.
+    need_dx, need_dgamma, need_dbeta : bool
+        Outputs to compute; one not asked for is returned as None.
+    deterministic : bool
+        True: dgamma/dbeta bitwise identical across runs on the same device and shapes. False
+        lets the plan take rows dynamically and accumulate with float32 atomics where faster.
+    out : tuple (dx, dgamma, dbeta), optional
+        As in :func:`layer_norm_fwd`; the entry of an output not computed must be None.
+    config : cupyln.Config, optional
+        As in :func:`layer_norm_fwd`.
+
+    Returns
+    -------
+    dx : array or None
+        x's shape and dtype.
+    dgamma, dbeta : array or None
+        The normalized shape, in gamma's dtype (x's when gamma is None); dbeta is computed
+        whether or not beta was given.
+
+    Raises
+    ------
+    TypeError
+        A non-array, an unsupported dtype, dy's dtype not x's, a non-bool flag, mean or rstd
+        not float32.
+    ValueError
+        Shapes that do not match (mean/rstd not a leading part of x's shape), arrays on
+        different devices, a bad ``out=`` entry.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyln
+    >>> x = np.array([[1.0, 2.0, 3.0, 4.0]])
+    >>> y, mean, rstd = cupyln.layer_norm_fwd(x, np.ones(4), np.zeros(4))
+    >>> dx, dgamma, dbeta = cupyln.layer_norm_bwd(np.ones_like(x), x, np.ones(4), mean, rstd)
+    >>> np.abs(dx).max() < 1e-6, dbeta
+    (True, array([1., 1., 1., 1.]))
     """
     if mean is None:
         raise TypeError("mean must be a numpy.ndarray or cupy.ndarray, got None")
-    return _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out)
+    return _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out,
+                config)
 
 
-def rms_norm_bwd(dy, x, gamma, rstd, *, need_dx=True, need_dgamma=True, deterministic=False,
-                 out=None):
-    """RMSNorm backward. Returns ``(dx, dgamma)``; an output not asked for is None.
-    ``out=(dx, dgamma)`` as in :func:`layer_norm_bwd`."""
+def rms_norm_bwd(
+    dy: Array, x: Array, gamma: Array | None, rstd: Array, *, need_dx: bool = True,
+    need_dgamma: bool = True, deterministic: bool = False, out: Outputs = None,
+    config: Config | None = None,
+) -> tuple[Array | None, Array | None]:
+    """RMSNorm backward from the forward's saved ``rstd``.
+
+    Parameters, errors and determinism as in :func:`layer_norm_bwd`, without mean and dbeta;
+    ``out=(dx, dgamma)``.
+
+    Returns
+    -------
+    dx : array or None
+        x's shape and dtype.
+    dgamma : array or None
+        The normalized shape, in gamma's dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, cupyln
+    >>> x = np.array([[3.0, 4.0]])
+    >>> y, rstd = cupyln.rms_norm_fwd(x, np.ones(2))
+    >>> dx, dgamma = cupyln.rms_norm_bwd(np.ones_like(x), x, np.ones(2), rstd)
+    >>> np.round(dgamma, 4)
+    array([0.6, 0.8])
+    """
     dx, dgamma, _ = _bwd(dy, x, gamma, None, rstd, need_dx, need_dgamma, False, deterministic,
-                         out)
+                         out, config)
     return dx, dgamma
+
+
+def clear_caches() -> None:
+    """Forget every plan and remembered call (compiled kernels stay)."""
+    _HOT.clear()
+    if "cupyln._passes" in sys.modules:
+        sys.modules["cupyln._passes"].clear_caches()

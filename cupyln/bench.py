@@ -28,7 +28,7 @@ import numpy as np
 
 import cupyln
 
-from .api import BFLOAT16
+from ._dtypes import BFLOAT16
 
 SCHEMA_VERSION = 1
 
@@ -173,20 +173,19 @@ def make_inputs(M, N, dtype, seed=0):
     return x, dy, g, b
 
 
-def cases(op, x, dy, g, b, torch, liger, deterministic=False):
-    """{(provider, pass): callable} on identical inputs."""
+def cases(op, x, dy, g, b, torch, liger, deterministic=False, config=None):
+    """{(provider, pass): callable} on identical inputs (cupyln's planned by ``config``)."""
     N = x.shape[-1]
     out = {}
+    kw = dict(deterministic=deterministic, config=config)
     if op == "layernorm":
-        y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
-        out["cupyln", "fwd"] = lambda: cupyln.layer_norm_fwd(x, g, b)
-        out["cupyln", "bwd"] = lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd,
-                                                             deterministic=deterministic)
+        y, mean, rstd = cupyln.layer_norm_fwd(x, g, b, config=config)
+        out["cupyln", "fwd"] = lambda: cupyln.layer_norm_fwd(x, g, b, config=config)
+        out["cupyln", "bwd"] = lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd, **kw)
     else:
-        y, rstd = cupyln.rms_norm_fwd(x, g)
-        out["cupyln", "fwd"] = lambda: cupyln.rms_norm_fwd(x, g)
-        out["cupyln", "bwd"] = lambda: cupyln.rms_norm_bwd(dy, x, g, rstd,
-                                                           deterministic=deterministic)
+        y, rstd = cupyln.rms_norm_fwd(x, g, config=config)
+        out["cupyln", "fwd"] = lambda: cupyln.rms_norm_fwd(x, g, config=config)
+        out["cupyln", "bwd"] = lambda: cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
     if torch is not None:
         tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
         if op == "layernorm":

@@ -21,7 +21,7 @@
 // after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
 // over rows, the staged variant (STAGE, CUDA sm_80 on) copies each block's next row into shared
 // memory while it reduces this one, so the row's loads stay in flight through its reductions.
-#include "common.cuh"
+#include "bwd_common.cuh"
 
 // One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128: the
 // backward kernels' launch bound (the host's _bwd_threads).

@@ -125,18 +125,15 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // read once) or of many (CHUNKED = true: statistics over all chunks, then each chunk read again
 // for the output). FULL (the planner's choice where N is a multiple of the chunk, direct rows of
 // one chunk): every thread's vectors lie below N, so the loads, the centred pass and the stores
-// test no column (fewer instructions and registers: see FWD_FULL in _launch.py). TPR > 0: the
-// row's threads fixed at compile time in the reductions (the planner's choice for wide rows, see
-// FWD_FIXED_WARPS); a launch of another blockDim.x traps.
+// test no column (fewer instructions and registers).
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP, bool FULL = false, int TPR = 0>
+          int NPT, int WARP, bool FULL = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
                                          typename Acc<T>::type eps) {
   typedef typename Acc<T>::type C;
-  if (TPR && (int)blockDim.x != TPR) cl_trap();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
   const C inv_n = cl_inv_count(C(0), N);
@@ -188,8 +185,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
         load_packs<VEC, NPT, FULL>(gamma, 0, N, gamma != nullptr, hg);
         load_packs<VEC, NPT, FULL>(beta, 0, N, beta != nullptr, hb);
       }
-      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL, TPR>(p, (cl_i64)c * chunk, N, chunk,
-                                                          phase, inv_n, n, mean, m2);
+      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL, 0>(p, (cl_i64)c * chunk, N, chunk, phase,
+                                                        inv_n, n, mean, m2);
     }
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
@@ -212,10 +209,10 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       cl_i64 N, typename Acc<T>::type eps
 
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
-          bool FULL, int TPR = 0>
+          bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL, TPR>(x, ldx, gamma, beta, y,
-                                                                     mean_out, rstd_out, M, N, eps);
+  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
+                                                                rstd_out, M, N, eps);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).

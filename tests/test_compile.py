@@ -22,8 +22,9 @@ def _missing(what):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_specialization_compiles_with_nvrtc(arch):
     try:
-        from cupyln._compile import compile_nvrtc
         from cupyln._launch import all_kernel_names
+
+        from cupyln._compile import compile_nvrtc
     except ImportError as e:
         _missing(f"CuPy ({e})")
     names = all_kernel_names(32)
@@ -37,8 +38,9 @@ def test_every_specialization_compiles_with_hipcc(arch, warp, tmp_path):
     if hipcc is None:
         _missing("hipcc")
     try:
-        from cupyln._compile import OPTIONS, hip_source
         from cupyln._launch import all_kernel_names
+
+        from cupyln._compile import OPTIONS, hip_source
     except ImportError as e:
         _missing(f"CuPy ({e})")
     src = tmp_path / "cupyln_all.hip"

@@ -5,7 +5,11 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-_launch = pytest.importorskip("cupyln._launch", exc_type=ImportError)  # needs CuPy installed
+_plan = pytest.importorskip("cupyln._plan", exc_type=ImportError)  # needs CuPy installed
+from cupyln import _layout  # noqa: E402
+from cupyln._config import DEFAULT  # noqa: E402
+
+FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
 
 WARPS = st.sampled_from([32, 64])
 
@@ -13,15 +17,14 @@ WARPS = st.sampled_from([32, 64])
 @given(st.integers(1, 1 << 21), WARPS, st.integers(0, 1 << 22), st.integers(0, 400))
 def test_row_geometry_covers_the_row_with_whole_warps(nvec, warp, M, blocks):
     for npt_min, npt_max, tpr_max, block, short in (
-        (_launch.FWD_NPT_MIN, _launch.FWD_NPT, _launch.FWD_TPR_MAX, _launch.FWD_BLOCK,
-         _launch.FWD_SHORT_BLOCK),
-        (_launch.BWD_NPT_MIN, _launch.BWD_NPT, _launch.BWD_TPR_MAX, _launch.BWD_BLOCK, None),
+        (FWD.npt, FWD.npt, FWD.tpr_max, FWD.block, FWD.short_block),
+        (BWD.npt_min, BWD.npt, BWD.tpr_max, BWD.block, None),
     ):
-        g = _launch.row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block, short)
+        g = _plan.row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block, short)
         if g.tpr <= warp:  # rows within a warp fill the block for short rows
             assert g.tpr * g.rpb == (short or block)
         if M:
-            g = _launch._spread(g, M, warp, blocks)
+            g = _plan.spread(g, M, warp, blocks)
         assert g.npt & (g.npt - 1) == 0 and 1 <= g.npt <= npt_max
         if g.tpr < warp:  # a power-of-two group of lanes, whole warps per block
             assert g.tpr & (g.tpr - 1) == 0 and (g.tpr * g.rpb) % warp == 0
@@ -54,7 +57,7 @@ VIEWS = {
 @given(st.sampled_from(sorted(VIEWS)), st.integers(2, 9), st.integers(4, 12))
 def test_row_stride_describes_the_view_exactly(view, m, n):
     a = VIEWS[view](np.zeros((2 * m, n), np.float16))
-    ld = _launch._row_stride(a, 1)
+    ld = _layout.row_stride(a, 1)
     if ld is None:
         return  # the caller copies: nothing to check
     rows, cols = np.prod(a.shape[:-1], dtype=int), a.shape[-1]
@@ -65,10 +68,10 @@ def test_row_stride_describes_the_view_exactly(view, m, n):
 
 def test_row_stride_accepts_the_views_the_contract_names():
     b = np.zeros((8, 16), np.float32)
-    assert _launch._row_stride(b[:, 2:10], 1) == 16  # rows of a wider buffer: no copy
-    assert _launch._row_stride(b[::-1], 1) == -16  # reversed rows: no copy
-    assert _launch._row_stride(b[:, ::-1], 1) is None  # reversed normalized axis: copy
-    assert _launch._row_stride(b.T, 1) is None
+    assert _layout.row_stride(b[:, 2:10], 1) == 16  # rows of a wider buffer: no copy
+    assert _layout.row_stride(b[::-1], 1) == -16  # reversed rows: no copy
+    assert _layout.row_stride(b[:, ::-1], 1) is None  # reversed normalized axis: copy
+    assert _layout.row_stride(b.T, 1) is None
 
 
 @given(st.sampled_from([np.float16, np.float32, np.float64]), st.integers(1, 4096),
@@ -76,7 +79,7 @@ def test_row_stride_accepts_the_views_the_contract_names():
 def test_vector_width_divides_sizes_and_alignments(dtype, N, offset):
     dtype = np.dtype(dtype)
     ptr = 4096 + offset * dtype.itemsize
-    v = _launch._vec(dtype, N, (N,), [(ptr, dtype.itemsize)])
+    v = _layout.vec_width(dtype, N, (N,), [(ptr, dtype.itemsize)])
     assert v * dtype.itemsize <= 16 and N % v == 0 and ptr % (v * dtype.itemsize) == 0
     if N % (16 // dtype.itemsize) == 0 and ptr % 16 == 0:
         assert v == 16 // dtype.itemsize
@@ -110,30 +113,30 @@ class _FakeKernel:
 _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
-def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True):
+def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name."""
     from unittest import mock
 
-    from cupyln.api import BFLOAT16
+    from cupyln._dtypes import BFLOAT16
 
     dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
-    info = _launch.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, True, clusters)
+    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, True, clusters)
     built = {}
 
-    def kernels(spec, p):
+    def kernels(spec, p, text=None):
         names = spec.names(p)
         built.update(names)
         return dict.fromkeys(names, _FakeKernel())
 
-    with mock.patch.object(_launch, "device_info", lambda dev: info), \
-            mock.patch.object(_launch._compile, "kernels", kernels), \
-            mock.patch.object(_launch._driver, "max_active_clusters", lambda *a: 1), \
-            mock.patch.object(_launch, "Launcher", lambda *args: None):
-        vec = _launch._vec(dtype, N, (N,), [])
-        planner = _launch.plan_fwd if pass_ == "fwd" else _launch.plan_bwd
-        return planner.__wrapped__(0, dtype, dtype, True, M, N, vec), built
+    with mock.patch.object(_plan, "device_info", lambda dev: info), \
+            mock.patch.object(_plan._compile, "kernels", kernels), \
+            mock.patch.object(_plan._driver, "max_active_clusters", lambda *a: 1), \
+            mock.patch.object(_plan, "Launcher", lambda *args: None):
+        vec = _layout.vec_width(dtype, N, (N,), [])
+        planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
+        return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec), built
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
@@ -150,12 +153,12 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     gamma/beta with the row wherever that module has it (4-byte and wider types, several vectors
     per thread, outside the row kernel's module), and no other kernel where it has it but a plain row would run; the variant
     without column tests exactly where a direct row's length is a multiple of its chunk; the
-    row's threads fixed at compile time, at the block's width, exactly on rows of one chunk of
-    FWD_FIXED_WARPS warps and in the row kernel; that kernel (and its module alone) exactly on
+    row's threads fixed at compile time, at the block's width, in the row kernel alone; that
+    kernel (and its module alone) exactly on
     rows of 16-byte vectors, the grid covering M, M x N below 2^31: one vector per thread in
-    blocks of one row of at most FWD_ROW_WARPS whole warps or of rows of at most a warp
-    stacked, or rows of one chunk of several vectors per thread in 2 to FWD_ROW_NPT_WARPS whole
-    warps (within FWD_ROW_WARPS), one per block."""
+    blocks of one row of at most ``row_warps`` whole warps or of rows of at most a warp
+    stacked, or rows of one chunk of several vectors per thread in 2 to ``row_npt_warps`` whole
+    warps (within ``row_warps``), one per block."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
@@ -165,23 +168,22 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     assert base != "fwd_early" or early
     tpr, rpb = plan.block
     npt, vec = plan.spec.npt, plan.spec.vec
-    whole_warps = rpb == 1 and tpr % warp == 0 and tpr <= _launch.FWD_ROW_WARPS * warp
-    top = min(_launch.FWD_ROW_WARPS, _launch.FWD_ROW_NPT_WARPS)
-    several = (npt > 1 and tpr * npt * vec >= N and tpr % warp == 0
-               and 2 * warp <= tpr <= top * warp and M <= 132 * _launch.FWD_GRID_PER_SM)
+    whole_warps = rpb == 1 and tpr % warp == 0 and tpr <= FWD.row_warps * warp
+    top = min(FWD.row_warps, FWD.row_npt_warps)
+    several = (npt == FWD.npt and tpr * npt * vec >= N and tpr % warp == 0
+               and 2 * warp <= tpr <= top * warp and M <= 132 * FWD.grid_per_sm)
     one_row = ((npt == 1 and (whole_warps or tpr <= warp) or several)
                and plan.grid == (-(-M // rpb),) and M * N < 2**31
                and vec * plan.spec.dtype.itemsize == 16)
     assert (base == "fwd_row") == one_row == plan.spec.row
     assert not (one_row and several) or rpb == 1  # stacked rows taken apart
     assert not one_row or set(built) == {"fwd_row", "fwd_row_full"}
-    assert not one_row or tpr in _launch._row_kernel_widths(warp, npt)  # in the offline builds
+    assert not one_row or tpr in _plan.row_kernel_widths(FWD, warp, npt)  # in the offline builds
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
     chunk = tpr * npt * vec
     direct = base in ("fwd", "fwd_early", "fwd_row")
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
-    wide = plan.variant != "fwd_chunked" and tpr // warp in _launch.FWD_FIXED_WARPS
-    assert plan.spec.tpr == (tpr if wide or one_row else 0)
+    assert plan.spec.tpr == (tpr if one_row else 0)  # fixed threads: the row kernel alone
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
@@ -204,18 +206,41 @@ def test_backward_rows_come_from_tickets_exactly_where_staged_blocks_span_warps(
        st.integers(1, 1 << 14), WARPS, st.booleans())
 def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters):
     """Where clusters exist and the driver can place one, a backward whose rows fit in
-    CSUM_BLOCKS blocks of the backward's thread limit runs there: one cluster, every row in one
+    ``csum_blocks`` blocks of the backward's thread limit runs there: one cluster, every row in one
     pass, whole warps, its shared memory on the SM; elsewhere it never does."""
     plan, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
     if plan.variant != "bwd_csum":
-        g = _launch.row_geometry(N // plan.spec.vec, warp, _launch.BWD_NPT_MIN, _launch.BWD_NPT,
-                                 _launch.BWD_TPR_MAX, _launch.BWD_BLOCK)
-        rows = _launch._bwd_threads(g.npt) // g.tpr  # at most, in one block
-        assert not (clusters and g.fits and M <= _launch.CSUM_BLOCKS * rows)
+        g = _plan.row_geometry(N // plan.spec.vec, warp, BWD.npt_min, BWD.npt, BWD.tpr_max,
+                               BWD.block)
+        rows = _plan.bwd_threads(g.npt) // g.tpr  # at most, in one block
+        assert not (clusters and g.fits and M <= BWD.csum_blocks * rows)
         return
     assert clusters
     tpr, rpb = plan.block
-    assert plan.grid == (_launch.CSUM_BLOCKS, 1) and plan.spec.tiles == _launch.CSUM_BLOCKS
-    assert M <= _launch.CSUM_BLOCKS * rpb  # no block loops over rows
-    assert (tpr * rpb) % warp == 0 and tpr * rpb <= _launch._bwd_threads(plan.spec.npt)
+    assert plan.grid == (BWD.csum_blocks, 1) and plan.spec.tiles == BWD.csum_blocks
+    assert M <= BWD.csum_blocks * rpb  # no block loops over rows
+    assert (tpr * rpb) % warp == 0 and tpr * rpb <= _plan.bwd_threads(plan.spec.npt)
     assert 0 < plan.smem <= _SMEM_PER_SM
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 17), WARPS, st.booleans())
+def test_every_kernel_a_plan_builds_is_in_the_offline_list(dt, M, N, warp, clusters):
+    """The modules the default plans compile hold only kernels that the offline compile tests
+    build (all_kernel_names), for CUDA devices with and without clusters."""
+    names = _plan.all_kernel_names(warp)
+    for pass_ in ("fwd", "bwd"):
+        _, built = _plan_without_gpu(pass_, dt, M, N, warp, clusters)
+        assert set(built.values()) <= names
+
+
+def test_plan_caches_are_bounded():
+    assert _plan.plan_fwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
+    assert _plan.plan_bwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
+
+
+def test_hip_modules_leave_out_the_staged_and_cluster_kernels():
+    cuda, hip = _plan.all_kernel_names(32), _plan.all_kernel_names(32, hip=True)
+    assert hip < cuda
+    assert not any("cln::staged" in n or "cluster" in n or "csum" in n for n in hip)
+    assert len(cuda) < 2671 // 2  # half of the specializations before the configs were values

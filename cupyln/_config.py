@@ -1,0 +1,116 @@
+"""The planner's choices as values: what each kernel variant is for, and where it runs.
+
+A :class:`Config` is frozen and hashable; the planner takes one (``DEFAULT`` unless a caller
+passes another), so tests and tuning scripts reach every variant without patching globals.
+Each field says why it holds its default, with the figure behind it; the measurements
+themselves live in ``benchmarks/NOTES.md`` (all on one H200, ``benchmarks/tune.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STAGE_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Forward planner choices."""
+
+    # Vectors per thread in flight on the general path: four keep enough loads outstanding.
+    npt: int = 4
+    # Threads of one row at most; longer rows are read in chunks.
+    tpr_max: int = 1024
+    # Threads per block for rows of more than a warp; stacking long rows in one block cost 5-15%.
+    block: int = 128
+    # Threads per block for rows of at most a warp (2% faster than 128 at 4096x1024).
+    short_block: int = 256
+    # Small M (one vector per thread fills at most `small_m_fill` of the thread slots): one vector
+    # per thread, so rows get more threads and shorter chains (32x512 f16: 4.8 against 5.4 us).
+    small_m: bool = True
+    small_m_fill: float = 1.0
+    # One vector per thread wherever such a row fits in a warp (131072x64 f16: 4% faster).
+    short_npt1: bool = True
+    # Grid cap in blocks per SM; past it blocks loop over rows (1024: every benchmark shape gets
+    # one block per row group, 6% faster than 64 at 131072x4096).
+    grid_per_sm: int = 1024
+    # Staged rows (cp.async into shared memory, the resident blocks looping over rows): "auto"
+    # where only one direct block fits on an SM, so nothing else hides its reductions
+    # (4096x32768 f16: 150 against 173 us); elsewhere direct blocks overlap and win.
+    stage: str = "auto"
+    # gamma/beta loaded with the row for 4-byte and wider types (4096x1024 f32: 10% faster);
+    # 2-byte types spill their held packs and lose.
+    early: bool = True
+    # LayerNorm rows that are a whole number of chunks skip the per-vector column tests
+    # (16384x8192 bf16: 5% faster); RMSNorm has no centred pass and gains nothing.
+    full: bool = True
+    # Rows of one chunk of 16-byte vectors in at most `row_warps` warps take the row kernel (the
+    # row's threads fixed at compile time, no row loop, one output path: 32x512 f16 2% faster).
+    row_warps: int = 8
+    # The row kernel also for rows of at most a warp, stacked (131072x64 f16 3-7% faster).
+    row_short: bool = True
+    # ... and for rows of several vectors per thread in 2 to `row_npt_warps` warps (4096x2048
+    # f16: 10% faster); 8 warps spill and lose.
+    row_npt_warps: int = 4
+
+    def __post_init__(self):
+        if self.stage not in STAGE_MODES:
+            raise ValueError(f"stage must be one of {STAGE_MODES}, got {self.stage!r}")
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Backward planner choices."""
+
+    # The backward holds x, dy and two partial sums per element: one vector per thread up to 512
+    # threads, then two (two in 512 threads beat one in 1024 by 11% at 16384x8192 bf16).
+    npt_min: int = 1
+    npt: int = 2
+    tpr_max: int = 512
+    block: int = 512
+    # Small M: rows per block shrink until about `spread` blocks per SM get work.
+    spread: float = 2.0
+    # dgamma/dbeta by float32 atomics into one vector when the call need not be deterministic;
+    # off: per-block partials and a fixed-order sum were faster on every measured shape
+    # (16384x8192 bf16: 358 against 397 us; same-address atomics serialize in L2).
+    atomic_flush: bool = False
+    # A grid of at most this many blocks, whose threads cover N, sums the partials in its last
+    # block: one launch instead of two (host time; the GPU time is the same).
+    fused_reduce_blocks: int = 8
+    # On sm_90, rows that fit in one cluster of `csum_blocks` blocks sum dgamma/dbeta through
+    # distributed shared memory, without scratch (32x512 f16: 6.5 against 8.6 us).
+    csum_blocks: int = 8
+    cluster_sums: bool = True
+    # Staged rows (cp.async) where blocks loop over rows that span warps (131072x4096 bf16: 885
+    # against 1023 us); not for one row per block nor rows within a warp.
+    stage: str = "auto"
+    # Staged rows handed out by a ticket counter when the call need not be deterministic
+    # (131072x4096 bf16: 3.5% faster than static rows).
+    dynamic: bool = True
+    # Long rows without clusters: column tiles of `tile_tpr` threads x `tile_npt` vectors after a
+    # row-sums kernel of `rowsums_tpr` threads.
+    tile_tpr: int = 256
+    tile_npt: int = 2
+    rowsums_tpr: int = 1024
+    # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
+    # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
+    cluster: bool = True
+    cluster_tiles: int = 8
+    cluster_npt: int = 2
+
+    def __post_init__(self):
+        if self.stage not in STAGE_MODES:
+            raise ValueError(f"stage must be one of {STAGE_MODES}, got {self.stage!r}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Forward and backward planner choices (``cupyln.Config()`` is the default plan)."""
+
+    fwd: FwdConfig = field(default_factory=FwdConfig)
+    bwd: BwdConfig = field(default_factory=BwdConfig)
+    # Another kernel translation unit to compile instead of kernels/ (benchmarks' variants).
+    source: str | None = field(default=None, repr=False)
+
+
+DEFAULT = Config()

@@ -1,0 +1,44 @@
+"""The dtype tables: what the API accepts, the C type of each dtype in the kernels, the dtype
+the kernels accumulate in, and the dtype of the parameter gradients. Imports nothing of cupyln."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
+
+#: dtypes accepted for x and dy
+SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
+SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"
+
+#: C storage type of each dtype in kernels/ (the one table)
+CTYPES = {FLOAT16: "cl_half", BFLOAT16: "cl_bf16", FLOAT32: "float", FLOAT64: "double"}
+#: dtype the kernels compute in, for each data dtype
+ACC_DTYPES = {FLOAT16: FLOAT32, BFLOAT16: FLOAT32, FLOAT32: FLOAT32, FLOAT64: FLOAT64}
+#: (x dtype, gamma dtype) pairs the kernels are built for: gamma like x, or float32 for 16-bit
+#: rows; float64 rows widen float32 parameters on the host (kernel_param_dtype)
+PARAM_PAIRS = tuple((t, w) for t in SUPPORTED_DTYPES
+                    for w in dict.fromkeys((t, FLOAT32 if t.itemsize == 2 else t)))
+
+
+def param_dtype(gamma, x_dtype):
+    """dtype of dgamma/dbeta: gamma's, or x's when there is no gamma."""
+    return x_dtype if gamma is None else gamma.dtype
+
+
+def kernel_param_dtype(x_dtype, w_dtype):
+    """The gamma dtype the kernels take for parameters of ``w_dtype``."""
+    return w_dtype if (x_dtype, w_dtype) in PARAM_PAIRS else x_dtype
+
+
+def vec_options(dtype):
+    """Vector widths (elements) for ``dtype``: 16 bytes down to one element."""
+    v, out = 16 // dtype.itemsize, []
+    while v >= 1:
+        out.append(v)
+        v //= 2
+    return out

@@ -1,0 +1,352 @@
+"""The passes on validated CuPy arrays: forward, backward and warmup.
+
+A pass is prepared once per signature (device, plan, shapes, strides, dtypes, flags, which
+outputs were given) as a :class:`HotFwd` / :class:`HotBwd`: the plan's launchers, the output
+layout and the constant kernel arguments. Calling it costs the pointer reads, one allocation
+and the launches; nothing here synchronizes with the host, so calls can be captured in a CUDA
+graph. It returns None (the caller then takes the general path) when this call's pointers do
+not suit the plan's vector width, an out= array overlaps an input, or another device is current.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cupy as cp
+import numpy as np
+
+from . import _plan
+from ._config import DEFAULT
+from ._dtypes import ACC_DTYPES, FLOAT32, kernel_param_dtype, param_dtype
+from ._layout import Extents, Layout, fill, flat, ptr, rows, vec_width
+
+_get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
+_is_capturing = cp.cuda.runtime.streamIsCapturing
+# Scratch-only allocations of calls captured into CUDA graphs, kept for the rest of the process
+# (an allocation that also holds an output lives as long as the output).
+_CAPTURED = []
+
+
+class _on_device:
+    """Make ``dev_id`` current for the block, only when it is not already."""
+
+    __slots__ = ("dev", "prev")
+
+    def __init__(self, dev_id):
+        self.dev = dev_id
+
+    def __enter__(self):
+        self.prev = cp.cuda.runtime.getDevice()
+        if self.prev != self.dev:
+            cp.cuda.runtime.setDevice(self.dev)
+
+    def __exit__(self, *exc):
+        if self.prev != self.dev:
+            cp.cuda.runtime.setDevice(self.prev)
+
+
+class HotFwd:
+    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
+
+    def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
+        parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+        self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
+        self.given = given if given and any(given) else None  # which outputs out= gives
+        self.layout = Layout([p for i, p in enumerate(parts)
+                               if self.given is None or not self.given[i]])
+        self.consts = (ldx, M, N, eps)
+        self.ext = Extents()
+        v = plan.spec.vec
+        self.xmask = v * plan.spec.dtype.itemsize - 1
+        self.wmask = v * plan.spec.wdtype.itemsize - 1
+
+    def __call__(self, x, gamma, beta, out):
+        if _get_device() != self.dev:
+            return None
+        xp = x.data.ptr
+        gp = 0 if gamma is None else gamma.data.ptr
+        bp = 0 if beta is None else beta.data.ptr
+        outs = self.layout.make()[0]
+        if self.given:
+            outs = fill(out, outs)
+        y, rstd = outs[0], outs[-1]
+        mean = outs[1] if self.is_ln else None
+        yp, mp, rp = y.data.ptr, 0 if mean is None else mean.data.ptr, rstd.data.ptr
+        if (xp | yp) & self.xmask or (gp | bp) & self.wmask:
+            return None
+        if self.given and self.ext.overlap(out, (x, gamma, beta), (xp, gp, bp, *map(ptr, out))):
+            return None
+        ldx, M, N, eps = self.consts
+        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps)
+        return (y, mean, rstd) if self.is_ln else (y, rstd)
+
+
+class HotBwd:
+    __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
+                 "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
+                 "partial", "scratch_only")
+
+    def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
+                 ldx, lddy, M, N):
+        acc = ACC_DTYPES[plan.spec.dtype]
+        parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
+        self.dev, self.want = dev, want
+        self.launch = plan.launch
+        self.given = given if given and any(given) else None  # which outputs out= gives
+        new = [p for i, p in enumerate(parts)
+               if want[i] and (self.given is None or not self.given[i])]
+        # scratch after the outputs, in the same allocation (held while the outputs live): the
+        # dgamma/dbeta partials of each block, the row sums of long rows, and (only while a graph
+        # is being captured) the zeroed ticket counter and atomic sums (see _atomic_scratch)
+        P = plan.grid[0]
+        # dgamma/dbeta flushed through memory: not where one cluster sums them itself
+        params = (want[1] or want[2]) and plan.variant != "bwd_csum"
+        self.atomic = params and not partials
+        # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
+        # where the plan has no reduction kernel; dynamic rows take their tickets from a
+        # counter after that one
+        self.flushed = self.atomic or (params and "reduce" not in plan.launch)
+        self.dynamic = dynamic
+        self.main = plan.launch["bwd_dyn" if dynamic else "bwd"]
+        self.counted = self.flushed or dynamic
+        self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
+        scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
+                   "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
+                   "own": self.acc_bytes if self.counted else 0}
+        self.layout = Layout(new, [n for n in scratch.values() if n])
+        offs = iter(self.layout.scratch)
+        self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
+        self.scratch_only = not new and self.layout.nbytes > 0
+        self.consts = (ldx, lddy, M, N, P, own)
+        self.ext = Extents()
+        v = plan.spec.vec
+        self.xmask = v * plan.spec.dtype.itemsize - 1
+        self.wmask = v * wdtype.itemsize - 1
+
+    def __call__(self, dy, x, gamma, mean, rstd, out):
+        if _get_device() != self.dev:
+            return None
+        new, mem = self.layout.make()
+        given = (*out, None, None)[:3] if self.given else _NONE3  # RMSNorm: 2 given
+        it, want = iter(new), self.want
+        dx = (next(it) if given[0] is None else given[0]) if want[0] else None
+        dgamma = (next(it) if given[1] is None else given[1]) if want[1] else None
+        dbeta = (next(it) if given[2] is None else given[2]) if want[2] else None
+        dyp, xp, gp = dy.data.ptr, x.data.ptr, 0 if gamma is None else gamma.data.ptr
+        dxp, dgp, dbp = ptr(dx), ptr(dgamma), ptr(dbeta)
+        if (dyp | xp | dxp) & self.xmask or gp & self.wmask:
+            return None
+        mp, rp = 0 if mean is None else mean.data.ptr, rstd.data.ptr
+        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd),
+                                           (dyp, xp, gp, mp, rp, *map(ptr, given))):
+            return None
+        ldx, lddy, M, N, P, own = self.consts
+        base = 0 if mem is None else mem.ptr
+        rsp = 0 if self.rowsums is None else base + self.rowsums
+        launch = self.launch
+        stream = _current_stream().ptr
+        if self.scratch_only and _is_capturing(stream):
+            # a replay writes to this scratch, and no output keeps it: it must outlive the call
+            _CAPTURED.append(mem)
+        if rsp:
+            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
+        pp = 0 if self.partial is None else base + self.partial
+        cnt = ap = tk = 0
+        if self.counted:
+            scratch = _atomic_scratch(self.dev, stream, self.acc_bytes, base + own)
+            if self.flushed:  # the last block's ticket counter
+                cnt = scratch
+            if self.atomic:  # float32 atomics into zeroed sums after the counters
+                ap = scratch + _ACC_OFFSET
+            if self.dynamic:  # the rows' ticket counter, after the last block's
+                tk = scratch + _TICKETS
+        self.main(stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk, pp, M,
+                  N)
+        if pp and "reduce" in launch:
+            launch["reduce"](stream, pp, P, N, dgp, dbp)
+        return dx, dgamma, dbeta
+
+
+_NONE3 = (None, None, None)
+_ACC_OFFSET = 256  # the counters (the last block's, the rows' tickets), then the sums (aligned)
+_TICKETS = 4  # the rows' ticket counter, after the last block's
+_SCRATCH = {}  # (device, stream) -> zeroed memory of the ticket counters and atomic sums
+
+
+def _atomic_scratch(dev, stream, nbytes, own):
+    """Address of ``nbytes`` of zeroed memory (ticket counters, then the atomic flush's sums)
+    for a backward whose last block flushes or whose rows are dynamic, on ``stream``. The
+    kernel leaves it zeroed again, so launches on one stream (which run in order) share one;
+    launches on other streams, which may run at the same time, have their own. A call being
+    captured into a CUDA graph uses ``own`` (the address of its own scratch), zeroed by a memset
+    captured with it: the graph may be replayed on any stream."""
+    if _is_capturing(stream):
+        cp.cuda.runtime.memsetAsync(own, 0, nbytes, stream)
+        return own
+    mem = _SCRATCH.get((dev, stream))
+    if mem is None or mem.mem.size < nbytes:
+        # a larger one, zeroed on this stream before the kernel that first uses it; the one it
+        # replaces goes back to the pool, reused only in this stream's order
+        size = max(nbytes, 1 << 16)
+        mem = cp.cuda.alloc(size)
+        cp.cuda.runtime.memsetAsync(mem.ptr, 0, size, stream)
+        _SCRATCH[dev, stream] = mem
+    return mem.ptr
+
+
+@functools.lru_cache(maxsize=4096)
+def _hot_fwd(*key):
+    return HotFwd(*key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hot_bwd(*key):
+    return HotBwd(*key)
+
+
+def clear_caches():
+    """Forget every plan and prepared pass (kernels stay compiled)."""
+    _plan.clear()
+    for f in (_hot_fwd, _hot_bwd):
+        f.cache_clear()
+
+
+def _given(out):
+    return None if out is None else tuple(o is not None for o in out)
+
+
+def _kernel_params(p, x_dtype, gamma, beta):
+    """``p`` (gamma or beta) in the dtype the kernels take: float32 where gamma and beta differ,
+    x's where the kernels have no float32 pair for x's dtype (float64 rows)."""
+    if p is None:
+        return None
+    w = p.dtype
+    if gamma is not None and beta is not None and gamma.dtype != beta.dtype:
+        w = FLOAT32
+    return p.astype(kernel_param_dtype(x_dtype, w), copy=False)
+
+
+def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAULT):
+    """The forward pass on validated CuPy arrays. ``remember(hot)`` is called with the prepared
+    pass when later calls of the same signature can use it as they are (no input copies)."""
+    dev = x.data.device_id
+    with _on_device(dev):
+        lead = x.shape[: x.ndim - k]
+        M = math.prod(lead)
+        N = math.prod(x.shape[x.ndim - k :])
+        if not M:
+            parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+            outs = fill(out, Layout([p for p, o in zip(parts, out or (None,) * len(parts),
+                                                          strict=True) if o is None]).make()[0])
+            return tuple(outs) if is_ln else (outs[0], outs[-1])
+        g2, b2 = (flat(_kernel_params(p, x.dtype, gamma, beta)) for p in (gamma, beta))
+        xr, ldx = rows(x, k, N)
+        as_is = g2 is gamma and b2 is beta and xr is x
+        ptrs = [(xr.data.ptr, x.itemsize)]
+        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, b2) if p is not None]
+        if out is not None and out[0] is not None:  # y (the statistics are not vectors)
+            ptrs.append((out[0].data.ptr, x.itemsize))
+        vec = vec_width(x.dtype, N, (ldx,), ptrs)
+        wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
+        plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec)
+        hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps)
+        if remember is not None and as_is:
+            remember(hot)
+        return hot(xr, g2, b2, out)
+
+
+def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic,
+             out=None, remember=None, config=DEFAULT):
+    """The backward pass on validated CuPy arrays; ``remember`` as in :func:`forward`."""
+    want = (need_dx, need_dgamma, need_dbeta)
+    if not any(want):
+        return None, None, None
+    wdtype = param_dtype(gamma, x.dtype)
+    if kernel_param_dtype(x.dtype, wdtype) != wdtype:
+        return _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out, config)
+    dev = x.data.device_id
+    with _on_device(dev):
+        norm_shape = x.shape[x.ndim - k :]
+        M = math.prod(x.shape[: x.ndim - k])
+        N = math.prod(norm_shape)
+        if not M:
+            return _empty_backward(x.shape, norm_shape, x.dtype, wdtype, want, out)
+        g2 = flat(gamma)
+        m2 = None if mean is None else cp.ascontiguousarray(mean)
+        r2 = cp.ascontiguousarray(rstd)
+        xr, ldx = rows(x, k, N)
+        dyr, lddy = rows(dy, k, N)
+        as_is = g2 is gamma and m2 is mean and r2 is rstd and xr is x and dyr is dy
+        ptrs = [(xr.data.ptr, x.itemsize), (dyr.data.ptr, x.itemsize)]
+        # vector accesses: x, dy, dx and gamma (dgamma/dbeta are written per element)
+        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0]) if p is not None]
+        vec = vec_width(x.dtype, N, (ldx, lddy), ptrs)
+        plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec)
+        partials = deterministic or not config.bwd.atomic_flush
+        dynamic = plan.dynamic and not deterministic
+        hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
+                       dynamic, ldx, lddy, M, N)
+        if remember is not None and as_is:
+            remember(hot)
+        return hot(dyr, xr, g2, m2, r2, out)
+
+
+def _empty_backward(x_shape, norm_shape, dtype, wdtype, want, out):
+    """No rows: no kernel, zero parameter gradients."""
+    parts = [(x_shape, dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
+    given = out or (None, None, None)
+    new = iter(Layout([p for p, w, o in zip(parts, want, given, strict=True)
+                       if w and o is None]).make()[0])
+    grads = [(next(new) if o is None else o) if w else None
+             for w, o in zip(want, given, strict=True)]
+    for a in grads[1:]:
+        if a is not None:
+            a.fill(0)
+    return tuple(grads)
+
+
+def _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out, config):
+    """float64 rows with float32 gamma: the float64 kernels, gamma widened and dgamma/dbeta
+    narrowed on the host (N-vectors: a pair of kernels fewer to build for a rare case)."""
+    dx_out = None if out is None else out[0]
+    dx, dg, db = backward(dy, x, gamma.astype(x.dtype), mean, rstd, k, *want, deterministic,
+                          None if dx_out is None else (dx_out, None, None), None, config)
+    given = out or (None, None, None)
+    return dx, *(_narrowed(g, o, gamma.dtype) for g, o in zip((dg, db), given[1:], strict=True))
+
+
+def _narrowed(grad, out, dtype):
+    """``grad`` cast to ``dtype``, into ``out`` where given."""
+    if grad is None or out is None:
+        return None if grad is None else grad.astype(dtype)
+    out[...] = grad
+    return out
+
+
+def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAULT,
+           progress=False):
+    """Compile (or load from CuPy's disk cache) the kernels that contiguous inputs of these
+    ``(M, N, dtype)`` shapes will use, forward and backward, on the current device."""
+    dev = cp.cuda.runtime.getDevice()
+    jobs = [(M, N, np.dtype(dt), op) for M, N, dt in shapes for op in ops]
+    plans = 0
+    for M, N, dtype, op in _progress(jobs, progress, "cupyln warmup"):
+        wdtype = dtype if param_dtype is None else np.dtype(param_dtype)
+        vec = vec_width(dtype, N, (N,), [])
+        for plan in (_plan.plan_fwd, _plan.plan_bwd):
+            plan(dev, config, dtype, wdtype, op == "layernorm", max(M, 1), N, vec)
+            plans += 1
+    return plans
+
+
+def _progress(items, show, desc):
+    """``items``, with a progress bar where asked for and tqdm is installed."""
+    if show:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(items, desc=desc)
+        except ImportError:
+            pass
+    return items

@@ -1,0 +1,397 @@
+"""Planning: which kernel runs, with which geometry, for (config, M, N, dtypes, device).
+
+This module is the one place that decides launch geometry: :func:`row_geometry` maps a row
+onto threads, :func:`plan_fwd` / :func:`plan_bwd` add the variant and the grid, and
+:func:`all_kernel_names` lists every kernel a config can launch (the compile tests build each).
+Plans are cached per (device, config, signature) in bounded LRU caches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from . import _compile, _driver
+from ._compile import Spec
+from ._config import DEFAULT, BwdConfig, Config, FwdConfig
+from ._driver import Launcher
+from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, vec_options
+
+PLAN_CACHE_SIZE = 1024  # signatures kept per pass; a loop over many sequence lengths evicts
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def round_up(a, b):
+    return cdiv(a, b) * b
+
+
+def pow2_ceil(a):
+    return 1 << (max(a, 1) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- row geometry
+
+
+class Geometry(NamedTuple):
+    tpr: int  # threads per row (blockDim.x)
+    npt: int  # vectors per thread per chunk
+    rpb: int  # rows per block (blockDim.y)
+    fits: bool  # the whole row is one chunk in registers
+
+
+def row_geometry(nvec, warp, npt_min, npt_max, tpr_max, block, short_block=None):
+    """How a row of ``nvec`` vectors maps onto threads.
+
+    Each thread keeps ``npt`` independent vector loads in flight: the smallest power of two from
+    ``npt_min`` that lets the row fit in ``tpr_max`` threads, at most ``npt_max``. The threads of
+    a row are a power of two up to a warp (several rows then share a warp, reducing with
+    shuffles only) or whole warps up to ``tpr_max``; rows longer than ``tpr_max * npt_max``
+    vectors are processed in chunks. Rows are stacked in blockDim.y up to ``block`` threads, or
+    ``short_block`` (when given) for rows of at most a warp.
+    """
+    npt = npt_min
+    while npt < npt_max and cdiv(nvec, npt) > tpr_max:
+        npt *= 2
+    tpr = cdiv(nvec, npt)
+    if tpr <= warp:
+        # short rows: at least 4 threads per row where the row has 4 vectors (measured faster)
+        npt = max(1, min(npt, pow2_ceil(nvec) // 4))
+        tpr = pow2_ceil(cdiv(nvec, npt))
+        npt = min(npt, pow2_ceil(cdiv(nvec, tpr)))
+        block = short_block or block
+    else:
+        tpr = round_up(tpr, warp)
+    fits = tpr <= tpr_max
+    if not fits:
+        tpr = tpr_max
+    return Geometry(tpr, npt, max(1, block // tpr), fits)
+
+
+def warp_rows(g, warp):
+    """Rows of geometry ``g`` per whole warp (1 for rows of a warp or more)."""
+    return max(1, warp // g.tpr)
+
+
+def spread(g, M, warp, blocks):
+    """Fewer rows per block when M is small, so that about ``blocks`` blocks get work; a block
+    keeps at least one full warp (the shuffles assume whole warps)."""
+    unit = warp_rows(g, warp)
+    return g._replace(rpb=max(unit, min(g.rpb, round_up(cdiv(M, max(1, blocks)), unit))))
+
+
+def fwd_geometry(cfg: FwdConfig, nvec, warp):
+    return row_geometry(nvec, warp, cfg.npt, cfg.npt, cfg.tpr_max, cfg.block, cfg.short_block)
+
+
+def fwd_small_geometry(cfg: FwdConfig, nvec, warp):
+    """One vector per thread (small M, rows within a warp)."""
+    return row_geometry(nvec, warp, 1, 1, cfg.tpr_max, cfg.block, cfg.short_block)
+
+
+def bwd_geometry(cfg: BwdConfig, nvec, warp):
+    g = row_geometry(nvec, warp, cfg.npt_min, cfg.npt, cfg.tpr_max, cfg.block)
+    return g._replace(rpb=max(1, min(g.rpb, bwd_threads(g.npt) // g.tpr)))
+
+
+def bwd_threads(npt):
+    """The backward kernels' launch bound: threads per block at ``npt`` vectors per thread."""
+    return 1024 if npt == 1 else 512
+
+
+def colsum_bytes(g, rpb, vec, dtype):
+    """Shared memory of the backward's column sums over a block's ``rpb`` rows of geometry ``g``
+    (block_column_sums; none for one row)."""
+    return g.tpr * rpb * vec * ACC_DTYPES[dtype].itemsize if rpb > 1 else 0
+
+
+def row_kernel_widths(cfg: FwdConfig, warp, npt=1):
+    """The row threads norm_fwd_row is built for at ``npt`` vectors per thread: for one, powers
+    of two below a warp (rows stacked, ``row_short``) and 1 to ``row_warps`` whole warps; for
+    the general path's ``npt``, 2 to ``row_npt_warps`` whole warps within those."""
+    if npt > 1:
+        top = min(cfg.row_warps, cfg.row_npt_warps) if npt == cfg.npt else 0
+        return [w * warp for w in range(2, top + 1)]
+    short = [1 << i for i in range(warp.bit_length() - 1)] if cfg.row_short else []
+    return short + [w * warp for w in range(1, cfg.row_warps + 1)]
+
+
+def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
+    """Name expressions of every kernel ``config`` can launch on a device of this warp size,
+    CUDA or (``hip``) ROCm, which has neither cp.async staging nor clusters."""
+    fc, bc = config.fwd, config.bwd
+    bwd_npts = [n for n in range(bc.npt_min, max(bc.npt, bc.tile_npt, bc.cluster_npt) + 1)
+                if not n & (n - 1)]
+    names = set()
+    for t, w in PARAM_PAIRS:
+        for ln in (True, False):
+            for v in vec_options(t):
+                for n in (1, 2, 4):
+                    if n <= fc.npt:
+                        names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
+                    if v * t.itemsize == 16:
+                        for tpr in row_kernel_widths(fc, warp, n):
+                            spec = Spec(t, w, ln, v, n, warp, tpr=tpr, row=True, hip=hip)
+                            names.update(spec.names("fwd").values())
+                for n in bwd_npts:
+                    for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
+                                         ("bwd_long", bc.cluster_tiles)):
+                        if hip and tiles > 1 and pass_ == "bwd":
+                            continue  # one cluster alone: clusters only
+                        names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip)
+                                     .names(pass_).values())
+    return names
+
+
+# ----------------------------------------------------------------------------- device facts
+
+
+class DeviceInfo(NamedTuple):
+    sms: int
+    warp: int
+    threads_per_sm: int
+    regs_per_sm: int
+    smem_per_sm: int
+    async_copy: bool  # cp.async (CUDA, compute capability 8.0 on): see CLN_ASYNC_COPY
+    clusters: bool  # thread-block clusters (CUDA, compute capability 9.0 on): CLN_CLUSTERS
+    hip: bool = False  # ROCm: its modules leave out the staged and cluster kernels
+
+
+@functools.cache  # one entry per device
+def device_info(dev_id):
+    import cupy as cp
+
+    dev = cp.cuda.Device(dev_id)
+    a = dev.attributes
+    cuda = not cp.cuda.runtime.is_hip
+    return DeviceInfo(
+        sms=a.get("MultiProcessorCount", 1),
+        warp=a.get("WarpSize", 32),
+        threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
+        regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
+        smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
+        async_copy=cuda and int(dev.compute_capability) >= 80,
+        clusters=cuda and int(dev.compute_capability) >= 90,
+        hip=not cuda,
+    )
+
+
+def blocks_per_sm(kern, threads, smem, info):
+    """Resident blocks of ``kern`` per multiprocessor, from its register and memory use."""
+    regs = max(int(getattr(kern, "num_regs", 0) or 0), 1)
+    by_threads = info.threads_per_sm // threads
+    by_regs = info.regs_per_sm // (round_up(regs, 8) * threads)
+    static = int(getattr(kern, "shared_size_bytes", 0) or 0)
+    by_smem = info.smem_per_sm // (smem + static + 1024)
+    return max(1, min(by_threads, by_regs, by_smem, 32))
+
+
+def staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
+    """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
+    least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
+    and then gamma once per block (the backward, which passes ``wdtype``)."""
+    pack = vec * dtype.itemsize
+    if not info.async_copy or pack < 4:
+        return 0
+    if wdtype is None:
+        return npt * tpr * 2 * pack * rpb
+    return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
+
+
+def stages(mode, rule):
+    """Whether a pass stages its rows: ``mode`` "always", "never", or "auto" (where ``rule``)."""
+    return mode == "always" or (mode == "auto" and rule)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+class Plan:
+    """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
+
+    __slots__ = ("spec", "variant", "kern", "grid", "block", "smem", "launch")
+
+    def __init__(self, spec, variant, kern, grid, block, smem, launch):
+        self.spec = spec
+        # the pass's main kernel: its name in the module (see Spec.names), its RawKernel
+        self.variant, self.kern = variant, kern
+        self.grid, self.block, self.smem = grid, block, smem
+        self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
+
+    @property
+    def dynamic(self):
+        """Whether the backward has staged rows from a ticket counter (launch["bwd_dyn"], for
+        calls that need not be deterministic)."""
+        return "bwd_dyn" in self.launch
+
+
+# Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
+_FWD_ARGS = "pipppppiiX"
+_BWD_ARGS = "pipipppppppppppii"
+_ROWSUMS_ARGS = "pipippppii"
+_REDUCE_ARGS = "piipp"
+
+
+def _kinds(args, dtype):
+    return args.replace("X", "d" if ACC_DTYPES[dtype] == FLOAT64 else "f")
+
+
+def _fwd_row_geometry(cfg, info, M, N, vec):
+    """The general geometry, or one vector per thread for small M and rows within a warp."""
+    wp = info.warp
+    g = fwd_geometry(cfg, N // vec, wp)
+    if cfg.small_m:
+        g1 = fwd_small_geometry(cfg, N // vec, wp)
+        small = M * g1.tpr <= cfg.small_m_fill * info.sms * info.threads_per_sm
+        if g1.fits and (small or (cfg.short_npt1 and g1.tpr <= wp)):
+            g = g1
+    return spread(g, M, wp, 2 * info.sms)
+
+
+def _takes_row_kernel(cfg, info, g, dtype, M, N, vec):
+    """Rows of one chunk of 16-byte vectors, the grid covering M (one row per block for
+    several vectors per thread), in the widths norm_fwd_row is built for."""
+    wp = info.warp
+    rg = g._replace(rpb=1) if g.npt > 1 else g
+    ok = (g.fits and vec * dtype.itemsize == 16 and M * N < 2**31
+          and g.tpr in row_kernel_widths(cfg, wp, g.npt)
+          and cdiv(M, rg.rpb) <= info.sms * cfg.grid_per_sm
+          and (g.npt > 1 or g.rpb == 1 or (cfg.row_short and g.tpr <= wp)))
+    return rg if ok else None
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
+    info, cfg = device_info(dev_id), config.fwd
+    g = _fwd_row_geometry(cfg, info, M, N, vec)
+    grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
+    rg = _takes_row_kernel(cfg, info, g, dtype, M, N, vec)
+    if rg is not None:
+        g, grid = rg, (cdiv(M, rg.rpb),)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if rg else 0,
+                row=rg is not None, hip=info.hip)
+    kerns = _compile.kernels(spec, "fwd", config.source)
+    main = "fwd_row" if rg else "fwd" if g.fits else "fwd_chunked"
+    block, smem = (g.tpr, g.rpb), 0
+    stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if main == "fwd" else 0
+    if stage:
+        threads = g.tpr * g.rpb
+        resident = info.sms * blocks_per_sm(kerns["fwd_staged"], threads, stage, info)
+        alone = blocks_per_sm(kerns[main], threads, 0, info) == 1
+        if stages(cfg.stage, alone and M > resident * g.rpb):
+            main, smem = "fwd_staged", stage
+            grid = (min(cdiv(M, g.rpb), resident),)
+    if main == "fwd" and "fwd_early" in kerns and cfg.early:
+        main = "fwd_early"
+    if main + "_full" in kerns and cfg.full and N % (g.tpr * g.npt * vec) == 0:
+        main += "_full"
+    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec):
+    """Rows longer than one block: (spec, kernels, block, tiles, cluster) of a cluster of
+    ``cluster_tiles`` column tiles where the row fits in them and the driver can place one,
+    else of ``tile_tpr``-thread tiles after the row sums kernel."""
+    cfg = config.bwd
+    tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
+    if info.clusters and cfg.cluster and tpr <= bwd_threads(cfg.cluster_npt):
+        spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles)
+        kerns = _compile.kernels(spec, "bwd_long", config.source)
+        if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
+                                       0) > 0:
+            return spec, kerns, (tpr, 1), cfg.cluster_tiles, True
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, hip=info.hip)
+    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
+    """Backward geometry. The grid depends only on (device, config, dtypes, M, N, vec), so the
+    deterministic reduction order is the same on every call."""
+    info, cfg = device_info(dev_id), config.bwd
+    g = bwd_geometry(cfg, N // vec, info.warp)
+    csum = _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g)
+    if csum is not None:
+        return csum
+    fused = g.fits and cdiv(M, g.rpb) <= cfg.fused_reduce_blocks and N <= g.tpr * g.rpb
+    if not fused:
+        g = spread(g, M, info.warp, int(cfg.spread * info.sms))
+    if g.fits:
+        spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip)
+        kerns = _compile.kernels(spec, "bwd", config.source)
+        block, tiles, cluster = (g.tpr, g.rpb), 1, False
+        colsum = colsum_bytes(g, g.rpb, vec, dtype)
+    else:
+        spec, kerns, block, tiles, cluster = _bwd_long_kernels(config, info, dtype, wdtype,
+                                                               is_ln, N, vec)
+        colsum = 0
+
+    def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
+        if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
+            fit = _driver.max_active_clusters(kern, (1, tiles), block, smem)
+            return (max(1, min(M, fit)), tiles)
+        resident = info.sms * blocks_per_sm(kern, block[0] * block[1], smem, info)
+        return (max(1, min(cdiv(M, block[1]), cdiv(resident, tiles))), tiles)
+
+    main = "bwd_cluster" if cluster else "bwd"
+    grid, smem = grid_of(kerns[main], colsum), colsum
+    stage = staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype)
+    loops = block[0] > info.warp and M > grid[0] * block[1]
+    if stage and stages(cfg.stage, loops):
+        main += "_staged"
+        smem = max(colsum, stage)
+        grid = grid_of(kerns[main], smem)
+    launch = {}
+    # rows from tickets for calls that need not be deterministic: rows that span warps (the
+    # reductions' block barrier orders the tickets' hand-on), one column tile, fewer than 2^31
+    # groups of rows (counted in 32 bits), on the grid that both kernels fit
+    dyn = (cfg.dynamic and main == "bwd_staged" and block[0] > info.warp and tiles == 1
+           and cdiv(M, block[1]) < 2**31)
+    if dyn:
+        grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
+    if not g.fits and not cluster:
+        rs_grid = (min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4),)
+        launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (cfg.rowsums_tpr, 1), 0,
+                                     _ROWSUMS_ARGS)
+    if fused and main == "bwd":
+        main = "bwd_last"  # the last block sums the partials: one launch
+    else:
+        launch["reduce"] = Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0,
+                                    _REDUCE_ARGS)
+    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
+    if dyn:
+        launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):
+    """The plan of one cluster of ``csum_blocks`` blocks holding every row at once, or None
+    where the device has no clusters, the rows do not fit, or the driver cannot place it."""
+    cfg = config.bwd
+    unit = warp_rows(g, info.warp)
+    most = bwd_threads(g.npt) // g.tpr // unit * unit  # rows that one block can hold
+    rpb = min(round_up(cdiv(M, cfg.csum_blocks), unit), most)
+    # "always" stages wherever it can: this kernel has direct rows only
+    if not (g.fits and info.clusters and cfg.cluster_sums and cfg.stage != "always"
+            and M <= cfg.csum_blocks * rpb):
+        return None
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, cfg.csum_blocks)
+    kern = _compile.kernels(spec, "bwd", config.source)["bwd_csum"]
+    # the values each block receives ([blocks][2N / blocks]), then its rows' column sums
+    smem = cfg.csum_blocks * cdiv(2 * N, cfg.csum_blocks) * ACC_DTYPES[dtype].itemsize
+    smem += colsum_bytes(g, rpb, vec, dtype)
+    block = (g.tpr, rpb)
+    if _driver.max_active_clusters(kern, (cfg.csum_blocks, 1), block, smem) < 1:
+        return None
+    launch = {"bwd": Launcher(kern, (cfg.csum_blocks,), block, smem, _BWD_ARGS)}
+    return Plan(spec, "bwd_csum", kern, (cfg.csum_blocks, 1), block, smem, launch)
+
+
+def clear():
+    """Forget every plan (kernels stay compiled)."""
+    for f in (device_info, plan_fwd, plan_bwd):
+        f.cache_clear()

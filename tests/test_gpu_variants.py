@@ -1,0 +1,370 @@
+"""Every planner variant against the reference and against the variant it replaces: the
+plans are chosen by passing configs (marked `gpu`)."""
+
+import ml_dtypes  # noqa: F401
+import numpy as np
+import pytest
+from gpu_cases import (
+    BF16,
+    F16,
+    F32,
+    F64,
+    PAIRS,
+    assert_close,
+    check_case,
+    inputs,
+)
+
+import cupyln
+from cupyln import reference as ref
+from cupyln._check import dx_floor
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+# --------------------------------------------------------------------------- atomic flush
+
+
+ATOMIC = cupyln.Config(bwd=cupyln.BwdConfig(atomic_flush=True))
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N", [(0, 64), (1, 1), (37, 33), (1025, 760), (199, 4096),
+                                 (9, 20000), (65537, 129)])
+def test_atomic_flush(op, M, N):
+    """The backward's alternative dgamma/dbeta flush (float32 atomicAdd, the last block casts),
+    which non-deterministic calls take where the config asks for it."""
+    dt, wdt = PAIRS[(M + N) % len(PAIRS)]
+    check_case(op, *inputs(M, N, dt, wdt), config=ATOMIC)
+    check_case(op, *inputs(M, N, dt, wdt), need=(False, True, False), config=ATOMIC)
+
+
+# --------------------------------------------------------------------------- staged rows
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N", [(37, 33), (1025, 760), (199, 4096), (3001, 4096), (700, 8192),
+                                 (9, 20000), (700, 20000), (65537, 129), (5000, 1000)])
+def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
+    """Staged rows (cp.async into shared memory) against direct loads, forward and backward, on
+    shapes either path can take: each matches the reference, and the two agree bitwise (the same
+    arithmetic in the same order; the backward's dgamma/dbeta where both kernels get the same
+    grid, which sets the order of the partial sums, and the staged rows are not dynamic)."""
+    from cupyln import _plan
+
+    dt, wdt = PAIRS[(M + N) % len(PAIRS)]
+    case = inputs(M, N, dt, wdt)
+    plans.spy(pass_)
+    out, grids, dynamic = {}, {}, False
+    for mode in ("always", "never"):
+        plans.replan(**{f"{pass_}_stage": mode})
+        x, dy, g = (cp.asarray(a) for a in case[:3])
+        cfg = plans.config
+        if op == "ln":
+            fwd = cupyln.layer_norm_fwd(x, g, None, config=cfg)
+            out[mode] = fwd if pass_ == "fwd" else cupyln.layer_norm_bwd(dy, x, g, *fwd[1:],
+                                                                          config=cfg)
+        else:
+            fwd = cupyln.rms_norm_fwd(x, g, config=cfg)
+            out[mode] = fwd if pass_ == "fwd" else cupyln.rms_norm_bwd(dy, x, g, fwd[1],
+                                                                        config=cfg)
+        (plan,) = plans
+        grids[mode] = plan.grid
+        dynamic |= pass_ == "bwd" and plan.dynamic
+        staged = plan.variant.endswith("_staged")
+        once = plan.variant == "fwd_chunked" or plan.spec.row  # rows never staged
+        can = _plan.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
+        assert staged == (can and not once and mode == "always"), (mode, plan.grid)
+        assert (plan.smem > 0) >= staged
+        check_case(op, *case, config=cfg)
+    same_order = pass_ == "fwd" or (grids["always"] == grids["never"] and not dynamic)
+    for i, (a, b) in enumerate(zip(out["always"], out["never"], strict=True)):
+        assert cp.array_equal(a, b) or (i > 0 and not same_order), i
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,meant", [
+    (6000, 1024, F16, F32, "bwd_staged"), (20001, 1000, BF16, BF16, "bwd_staged"),
+    (3001, 4096, F32, F32, "bwd_staged"), (1000, 1024, F16, F16, None),
+    (1500, 8192, BF16, F32, "bwd_staged"), (5000, 96, F32, F32, None),
+    (600, 16384, F16, F32, None)])
+def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
+    """Staged backward rows taken from a ticket counter (deterministic=False; bwd.dynamic)
+    against static rows (bwd.dynamic off, or deterministic=True): the plan is dynamic exactly
+    where staged blocks of one column tile span warps; every one of several calls matches the
+    reference (the counter must come back to zero after each launch, or the next would drop or
+    repeat rows), with dgamma/dbeta or without them (dx alone: the tickets are the only
+    scratch); dx is bitwise the static rows' (rows are independent; the reference checks it
+    once, the rest is compared on the device), and deterministic calls are bitwise repeatable
+    either way, and the same either way where both plans have the same grid. `meant`: the
+    variant the case is meant to take with tickets, where the device has it; 1000x1024 takes
+    too few rows for tickets (static groups only), 5000x96 has rows within a warp, 600x16384
+    column tiles (in clusters on sm_90): static rows."""
+    from cupyln import _plan
+
+    xh, dyh, gh, _ = inputs(M, N, dt, wdt)
+    x, dy, g = (cp.asarray(a) for a in (xh, dyh, gh))
+    warp = _plan.device_info(x.device.id).warp
+    if op == "ln":
+        _, mean, rstd = cupyln.layer_norm_fwd(x, g)
+        want = ref.layer_norm_bwd(dyh, xh, gh, mean.get(), rstd.get())
+    else:
+        mean, (_, rstd) = None, cupyln.rms_norm_fwd(x, g)
+        want = ref.rms_norm_bwd(dyh, xh, gh, rstd.get())
+    floor = dx_floor(dyh, gh, rstd)
+
+    def bwd(deterministic, params=True):
+        kw = {"deterministic": deterministic, "need_dgamma": params, "config": plans.config}
+        if op == "ln":
+            return cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dbeta=params, **kw)
+        return cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
+
+    def check(outs, params=True, dx=True):
+        if dx:
+            assert_close(outs[0], want[0], "dx", floor)
+        for out, w, name in zip(outs[1:], want[1:], ("dgamma", "dbeta")[:len(want) - 1],
+                                strict=True):
+            if params:
+                assert_close(out, w, name)
+            else:
+                assert out is None, name
+
+    plans.spy("bwd")
+    dxs, det, grids = {}, {}, {}
+    for on in (True, False):
+        plans.replan(bwd_dynamic=on)
+        dxs[on] = []
+        for i, params in enumerate((True, True, False, True)):
+            outs = bwd(False, params)
+            check(outs, params, dx=i == 0 and not on)
+            dxs[on].append(outs[0])
+        plan = plans[0]
+        staged_wide = (plan.variant == "bwd_staged" and plan.block[0] > warp
+                       and plan.grid[1] == 1)
+        assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block, plan.grid)
+        if meant and _plan.device_info(x.device.id).async_copy:
+            assert plan.variant == meant and staged_wide, (plan.variant, plan.block)
+        det[on] = [bwd(True) for _ in range(2)]
+        grids[on] = plan.grid
+        check(det[on][0], dx=False)
+    for a in dxs[True] + dxs[False][1:]:
+        assert cp.array_equal(a, dxs[False][0])
+    # The grid sets the order of the partial sums: a plan with tickets runs on the grid that both
+    # kernels fit (fewer blocks where the dynamic one takes more registers), so deterministic
+    # calls agree across the two settings only on the same grid.
+    for on in (True, False):
+        for outs in det[on][1:] + (det[not on] if grids[True] == grids[False] else []):
+            for a, b in zip(outs, det[on][0], strict=True):
+                assert cp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(4096, 1024, F32, F32), (300, 1000, F32, F32),
+                                        (77, 4100, F64, F64), (500, 2048, F64, F32),
+                                        (5000, 1024, F16, F32), (60000, 1024, F32, F32)])
+@pytest.mark.parametrize("has_b", [True, False])
+def test_parameters_loaded_with_the_row_or_after(plans, op, M, N, dt, wdt, has_b):
+    """The forward that loads gamma/beta with the row (4-byte and wider types, several vectors
+    per thread) against the one that loads them after the reductions: the planner takes the
+    first exactly where it is built and fwd.early is on; each matches the reference, and the two
+    agree bitwise (the same arithmetic in the same order)."""
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
+    x, g = cp.asarray(x_h), cp.asarray(g_h)
+    b = None if b_h is None else cp.asarray(b_h)
+    plans.spy("fwd")
+    out, variants = {}, {}
+    for early in (False, True):
+        plans.replan(fwd_early=early, fwd_full=False, fwd_row_warps=0)
+        cfg = plans.config
+        out[early] = (cupyln.layer_norm_fwd(x, g, b, config=cfg) if op == "ln"
+                      else cupyln.rms_norm_fwd(x, g, config=cfg))
+        (plan,) = plans
+        variants[early] = plan.variant
+        check_case(op, x_h, dy_h, g_h, b_h, config=cfg)
+    built = "fwd_early" in plan.spec.names("fwd")  # the module's rule (checked in test_planner)
+    assert variants == {False: "fwd", True: "fwd_early" if built else "fwd"}
+    for a, c in zip(out[False], out[True], strict=True):
+        assert cp.array_equal(a, c)
+
+
+@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
+    (4096, 1024, F16, F16, True), (32, 512, F16, F16, True),  # one vector per thread
+    (7, 768, F32, F32, False), (300, 4096, BF16, F32, True), (1000, 2048, F64, F32, True),
+    (5, 8192, F16, F16, False), (3001, 16, F32, F32, True),  # short rows, several per block
+    (37, 1000, F16, F16, True),  # not a multiple of the chunk: the tested kernel either way
+])
+def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
+    """LayerNorm rows whose length is a multiple of the block's chunk run the forward variant
+    without per-column tests (fwd.full): the planner takes it exactly there, it matches the
+    reference, also far from zero (a mean 1000 times the spread), and it gives bitwise what the
+    tested kernel gives (the same arithmetic)."""
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_b=has_b)
+    x, g = cp.asarray(x_h), cp.asarray(g_h)
+    b = None if b_h is None else cp.asarray(b_h)
+    plans.spy("fwd")
+    out = {}
+    for full in (False, True):
+        plans.replan(fwd_full=full)
+        out[full] = cupyln.layer_norm_fwd(x, g, b, config=plans.config)
+        (plan,) = plans
+        multiple = N % (plan.block[0] * plan.spec.npt * plan.spec.vec) == 0
+        assert plan.variant.endswith("_full") == (full and multiple), plan.variant
+        check_case("ln", x_h, dy_h, g_h, b_h, config=plans.config)
+    far = (x_h.astype(np.float64) + 1000 * x_h.astype(np.float64).std()).astype(dt)
+    check_case("ln", far, dy_h, g_h, b_h, config=plans.config)  # fwd.full on
+    for a, c in zip(out[True], out[False], strict=True):
+        assert cp.array_equal(a, c)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,params", [
+    (32, 512, F16, F16, "gb"), (96, 768, F16, F32, "gb"), (192, 1024, BF16, BF16, "b"),  # 2-4 warps
+    (1024, 768, F16, F16, "g"), (7, 256, F32, F32, ""), (100, 256, F16, F32, "gb"),  # 3-1
+    (300, 2048, BF16, F32, "gb"), (5, 512, F64, F64, "g"),  # 8 warps
+    (9, 1000, F16, F16, "gb"), (200, 200, F32, F32, "b"),  # not a multiple of the block's row
+    (20001, 64, F16, F16, "gb"), (70000, 64, BF16, F32, "g"),  # rows of 8 threads, stacked
+    (5000, 256, F16, F32, "b"), (3001, 4, F32, F32, "gb"), (100000, 8, F16, F16, ""),  # 32, 1
+    (4097, 40, BF16, BF16, "gb"), (50000, 24, F64, F64, "b"),  # not a multiple of the row's
+    # several vectors per thread (fwd.row_npt_warps): rows of 2 warps stacked in the general
+    # kernel, of 2 not filling the chunk, of 4 and 3 warps, of 2 and 4 warps of 4-byte and
+    # 8-byte types
+    (4096, 2048, F16, F16, "gb"), (5000, 1032, F16, F32, "gb"), (3000, 4096, BF16, BF16, "b"),
+    (2000, 3072, F16, F16, "g"), (4096, 1024, F32, F32, ""), (1500, 1024, F64, F64, "gb"),
+])
+def test_row_kernel(plans, op, M, N, dt, wdt, params):
+    """16-byte vectors: the row kernel (norm_fwd_row) exactly where fwd.row_warps, row_short and
+    row_npt_warps allow it: one vector per thread in one row per block of whole warps
+    (small M) or rows of at most a warp stacked in blockDim.y, or several in one row per block
+    of 2-4 warps, the grid covering M. It matches the reference, with gamma and
+    beta given or not (``params``), and agrees bitwise with the general kernel on the same rows
+    (the same additions in the same order; beta added in the product's rounding in both)."""
+    x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_g="g" in params, has_b="b" in params)
+    x = cp.asarray(x_h)
+    g, b = (None if a is None else cp.asarray(a) for a in (g_h, b_h))
+    plans.spy("fwd")
+    out = {}
+    for on in (False, True):
+        plans.replan(fwd_row_warps=8 if on else 0, fwd_row_short=on)
+        cfg = plans.config
+        out[on] = (cupyln.layer_norm_fwd(x, g, b, config=cfg) if op == "ln"
+                   else cupyln.rms_norm_fwd(x, g, config=cfg))
+        (plan,) = plans
+        assert plan.spec.row == on == plan.variant.startswith("fwd_row"), plan.variant
+        check_case(op, x_h, dy_h, g_h, b_h, config=cfg)
+    tpr, rpb = plan.block
+    assert plan.grid == (-(-M // rpb),) and plan.spec.tpr == tpr
+    assert rpb == 1 or tpr <= plan.spec.warp
+    for a, c in zip(out[False], out[True], strict=True):
+        assert cp.array_equal(a, c)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(700, 20000, F16, F16), (5, 16384, BF16, F32),
+                                        (33, 32768, F16, F32), (1000, 9000, F32, F32),
+                                        (3, 4100, F64, F64), (2, 70000, F32, F32)])
+def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
+    """Long rows: clusters of column tiles that exchange their row sums (sm_90) and the row
+    sums kernel before the tiles both match the reference, deterministic and not; the plan takes
+    the cluster path exactly where the device has clusters and the row fits in its tiles."""
+    from cupyln import _plan
+
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    for on in (True, False):
+        plans.replan(bwd_cluster=on)
+        check_case(op, *case, config=plans.config)
+        check_case(op, *case, deterministic=True, config=plans.config)
+        plan = plans[0]
+        cluster = plan.variant.startswith("bwd_cluster")
+        info = _plan.device_info(cp.cuda.Device().id)
+        cfg = plans.config.bwd
+        npt = cfg.cluster_npt
+        fits = N // plan.spec.vec <= cfg.cluster_tiles * npt * _plan.bwd_threads(npt)
+        assert cluster == (on and info.clusters and fits), plan.grid
+        assert ("rowsums" in plan.launch) != cluster
+        assert plan.grid[1] == cfg.cluster_tiles or not cluster
+
+
+@pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])
+def test_staged_clusters_with_need_flags(plans, need):
+    """The staged cluster backward (blocks looping over rows, sm_90) with dx or a parameter's
+    gradient left out: every row still takes its exchange, and what is computed matches the
+    reference."""
+    from cupyln import _plan
+
+    plans.spy("bwd")
+    check_case("ln", *inputs(301, 20000, F16, F32), need=need)
+    check_case("rms", *inputs(301, 20000, BF16, BF16), need=need)
+    assert plans
+    if _plan.device_info(cp.cuda.Device().id).clusters:
+        assert all(p.variant == "bwd_cluster_staged" and p.grid[0] < 301 for p in plans), \
+            [(p.variant, p.grid) for p in plans]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(32, 512, F16, F16), (1, 1, F32, F32),
+                                        (37, 33, BF16, F32), (5, 512, F16, F32),
+                                        (64, 512, F16, F32), (8, 500, F32, F32),
+                                        (60, 256, BF16, BF16), (3, 300, F64, F64),
+                                        (150, 256, BF16, BF16), (500, 128, F16, F16)])
+def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
+    """A grid of few blocks sums its dgamma/dbeta partials in its last block (one kernel): it
+    matches the reference, deterministic or not, with either parameter gradient alone too; and
+    on the same grid (rows not spread over more blocks) it gives bitwise what the separate
+    reduction kernel gives. Up to 64 blocks here (the default limit is lower), so that the
+    eight interleaved groups of partial rows take more than one row each."""
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    got = {}
+    for fused in (True, False):
+        plans.replan(bwd_spread=0, bwd_fused_reduce_blocks=64 if fused else 0,
+                     bwd_cluster_sums=False)
+        cfg = plans.config
+        got[fused] = check_case(op, *case, deterministic=True, config=cfg)
+        check_case(op, *case, config=cfg)
+        check_case(op, *case, need=(False, op == "rms", op == "ln"), config=cfg)
+        plan = plans[0]
+        assert ("reduce" in plan.launch) != fused, plan.grid
+        assert plan.variant == ("bwd_last" if fused else "bwd")
+    for a, b in zip(got[True], got[False], strict=True):
+        assert (a is None and b is None) or cp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [(32, 512, F16, F16), (1, 1, F32, F32),
+                                        (37, 33, BF16, F32), (5, 512, F16, F32),
+                                        (8, 500, F32, F32), (3, 300, F64, F64),
+                                        (60, 256, BF16, BF16), (8, 8192, F16, F16),
+                                        (16, 1024, F32, F32), (2, 2048, F64, F64),
+                                        (32, 1000, BF16, F32)])
+def test_cluster_sums(plans, op, M, N, dt, wdt):
+    """Rows that fit in one cluster of bwd.csum_blocks blocks run there, and the blocks sum
+    dgamma/dbeta through distributed shared memory: it matches the reference, deterministic or
+    not, with one parameter gradient alone (dbeta for LayerNorm, dgamma for RMSNorm) and with dx
+    alone, and is bitwise repeatable; so does the path without clusters. The plan takes it
+    exactly where the device has clusters (every case here fits in one)."""
+    from cupyln import _plan
+
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    got = {}
+    for on in (True, False):
+        plans.replan(bwd_cluster_sums=on)
+        cfg = plans.config
+        got[on] = check_case(op, *case, deterministic=True, config=cfg)
+        check_case(op, *case, config=cfg)
+        check_case(op, *case, need=(False, op == "rms", op == "ln"), config=cfg)
+        check_case(op, *case, need=(True, False, False), config=cfg)
+        plan = plans[0]
+        info = _plan.device_info(cp.cuda.Device().id)
+        assert (plan.variant == "bwd_csum") == (on and info.clusters), plan.variant
+        if plan.variant == "bwd_csum":
+            assert plan.grid == (cfg.bwd.csum_blocks, 1) and "reduce" not in plan.launch
+    for _ in range(2):  # the cluster's order is fixed: the same bits on every call
+        again = check_case(op, *case, config=cupyln.Config())
+        for a, b in zip(got[True], again, strict=True):
+            assert (a is None and b is None) or cp.array_equal(a, b)
+
+
