@@ -34,3 +34,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
         elif "gpu" in item.keywords and n < 1:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """A record of the plans the GPU calls make, and the config they pass (gpu_cases.Plans)."""
+    from gpu_cases import Plans
+
+    return Plans(monkeypatch)

@@ -117,6 +117,7 @@ class Plans(list):
             self.append(fn(*args))
             return self[-1]
 
+        record.cache_clear = fn.cache_clear
         self.monkeypatch.setattr(_plan, f"plan_{pass_}", record)
 
     def replan(self, **fields):
@@ -125,9 +126,3 @@ class Plans(list):
         self.config = config_of(**fields)
         cupyln.clear_caches()
         self.clear()
-
-
-@pytest.fixture
-def plans(monkeypatch):
-    """A :class:`Plans` record."""
-    return Plans(monkeypatch)
