@@ -3,7 +3,7 @@
     python benchmarks/copy_floor.py [op:M:N:dtype ...]
 
 The benchmark's ratios are against the copy of a 4 GiB buffer; copies of fewer bytes run at a
-lower rate (benchmarks/NOTES.md, S18-3). So for each shape (default: those of the benchmark
+lower rate (benchmarks/NOTES.md). So for each shape (default: those of the benchmark
 file whose forward moves at least 256 MiB) this times, at that pass's size:
 - fwd: cudaMemcpyAsync of M*N*s bytes, and a one-shot copy kernel (blocks of 128 threads with
   four 16-byte loads each, then four stores: the direct forward's access pattern without its

@@ -10,7 +10,7 @@ executions, and the TOP instructions by samples with their three largest reasons
 ``ctrl``: the SASS of the functions whose name holds SUBSTRING, each instruction with its control
 bits decoded from the high word of its encoding (sm_70 on): stall cycles, the scoreboard it sets
 for its result (W) and for its operands' reuse (R), and the scoreboards it waits on. This shows
-which earlier load an instruction waits for (session 17: a join that waited on the next row's
+which earlier load an instruction waits for (once: a join that waited on the next row's
 prefetched statistics).
 """
 

@@ -6,7 +6,7 @@ Device time: CUDA-event medians after warm-up, each call behind a 256 MiB memset
 L2 cache and a short spin kernel that keeps the GPU busy while the host enqueues the call, so
 host launch cost stays out of device time (it is measured separately); a random number of empty
 launches before each call mixes the two values that a small pass's time otherwise keeps for a
-whole block of calls (S26-3 to S26-5). The providers of a shape take turns in ROUNDS rounds and
+whole block of calls. The providers of a shape take turns in ROUNDS rounds and
 each one's median is over all its rounds' calls, so a drift of the GPU's speed during the run
 falls on every provider alike. GB/s count the bytes
 each pass must move (forward 2*M*N*s, backward 3*M*N*s, plus parameters and statistics); every
@@ -47,14 +47,9 @@ def device_us(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
 
 
 # Empty launches before each timed call: a random 0 to PAD_LAUNCHES of them, from one generator
-# of a fixed seed (S26-5's script drew them the same way, a generator per timed shape).
-# S26-3: a small backward's time took one of two values per provider, 8-10% apart (LN 192x1024
-# bf16: cupyln 9.4 / 10.15 us, PyTorch 9.63 / 10.6), the same for a whole block of calls and
-# picked by the block's place in the run, not by the spin's length (S26-4); which provider was
-# ahead followed it. S26-5 (three repetitions, median of 5 x 20 calls): cupyln / PyTorch
-# 9.70 / 11.10, 10.08 / 10.88, 10.59 / 9.92 without the pads, 9.95 / 10.43, 10.03 / 10.37,
-# 9.92 / 10.38 with them; 1024x768 f16 12.06 / 14.66, 12.64 / 12.98, 13.41 / 13.25 against
-# 11.98 / 13.46, 11.90 / 13.42, 11.94 / 13.28.
+# of a fixed seed. Without them a small pass's time took one of two values 8-10% apart for a
+# whole block of calls, picked by the block's place in the run, so which provider was ahead
+# changed between repetitions; with them the repetitions agree within 1-2%.
 PAD_LAUNCHES = 7
 _PADS = np.random.default_rng(0)
 
@@ -89,11 +84,9 @@ def device_samples(fn, n_warmup=10, n_repeat=100, spin_cycles=600_000):
     return [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in zip(starts, ends, strict=True)]
 
 
-# Rounds in which a shape's providers take turns, and each one's calls per round.
-# S25-1 (three processes, three rounds each): at 192x1024 bf16 the backward's times of all
-# providers moved together between rounds by up to 12% (cupyln 9.47-11.17 us, PyTorch
-# 9.63-11.70), while within each round cupyln was 2-5% ahead; one provider timed after another
-# had read such a drift as a difference between them.
+# Rounds in which a shape's providers take turns, and each one's calls per round: every
+# provider's time drifts together between rounds (up to 12% on the small shapes), so a provider
+# timed after another would read the drift as a difference between them.
 ROUNDS, ROUND_CALLS = 5, 20
 
 
@@ -257,7 +250,7 @@ def host_rows(torch):
         rows += [("torch", "fwd_host", lambda: F.layer_norm(tx, [512], tg, tb, 1e-5)),
                  ("torch", "bwd_host",
                   lambda: lnb(tdy, tx, [512], tm, tr, tg, tb, [True, True, True]))]
-    # The host's speed drifts during a run (S5-1: the same call 15-24 us within a second), so
+    # The host's speed drifts during a run (the same call 15-24 us within a second), so
     # the providers take turns, HOST_ROUNDS times, and each row is the median of its rounds.
     times = [[] for _ in rows]
     for _ in range(HOST_ROUNDS):

@@ -8,14 +8,14 @@
 // deterministic): block b of nb takes groups (of rows; `groups` in all, < 2^31) b, b + nb,
 // b + 2nb and b + 3nb in its iterations 0-3, then group 4nb + t for each ticket t that its
 // thread 0 takes from `tickets` (zeroed). A fast block takes more groups than a slow one; a
-// static assignment cannot follow SMs of different speeds (resident forward grids, S15-2: 5-12%
+// static assignment cannot follow SMs of different speeds (resident forward grids ran 5-12%
 // slower than one-row blocks with static rows, 1-2% with tickets). In each iteration thread 0
 // takes (take) the group of the iteration after the next two, from the ticket it took an
 // iteration earlier, so the ticket's round trip never holds up a row (taken in the same
-// iteration, a backward ran 13% slower than static rows, S15-3); the kernel hands it on to its
+// iteration, a backward ran 13% slower than static rows); the kernel hands it on to its
 // threads through shared memory before the row's reduction barrier, and every thread moves on
 // (advance) after that barrier. The next two groups stay in registers: kept in shared memory
-// instead (a ring of 4 slots), the backward ran 18-32% slower (S16-2). Thread 0 stops after its
+// instead (a ring of 4 slots), the backward ran 18-32% slower. Thread 0 stops after its
 // first ticket past the last group, so a launch takes exactly groups - 3nb tickets, and
 // atomicInc's wrap leaves the counter at 0 for the next launch.
 struct RowTickets {
@@ -70,8 +70,8 @@ __device__ __forceinline__ void cluster_sync() {
 // block's mbarrier; a block waits on its own mbarrier, then each lane adds its slots and the
 // warp's butterfly adds the lanes' (the same order in every block: bitwise the same totals). A
 // cluster barrier per row (barrier.cluster.arrive.release) compiled to MEMBAR.ALL.GPU, which
-// waits for the thread's outstanding memory operations, the next row's copies included: tune.py
-// S9-5, 4096x16384 f16 152.9 us with it against 131.7 with the barrier relaxed (which orders
+// waits for the thread's outstanding memory operations, the next row's copies included:
+// 4096x16384 f16 took 16% longer with it than with the barrier relaxed (which orders
 // nothing, so it is not an option). Two buffers alternate by row. A warp writes a block's buffer
 // again (two rows later) only after its own wait of the row in between, which completes only
 // once every warp of every block sent that row's sums; each warp sends them after the butterfly
@@ -283,8 +283,8 @@ template <typename C> __device__ __forceinline__ C load_l2(const C* p) {
 // of few blocks sums its own partials in its last block, all eight in one thread (G = 8): the
 // same order, the same bits. L2: the partials were written by other blocks of this launch, so
 // they are read past L1 (load_l2); a later launch reads them with plain loads, which the
-// compiler may route through the read-only path: tune.py S9-1, 192x1024 bf16 backward 9.5 /
-// 10.6 us plain against 10.2 / 11.4 with load_l2 (two interleaved pairs).
+// compiler may route through the read-only path (192x1024 bf16 backward 7% faster than with
+// load_l2).
 template <int G, bool L2, typename C>
 __device__ __forceinline__ void partial_groups(const C* col, int r0, cl_i64 P,
                                                cl_i64 stride, C (&s)[G]) {

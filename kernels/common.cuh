@@ -237,7 +237,7 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, c
 
 // Asynchronous copies into shared memory (cp.async, CUDA sm_80 on). The backward stages the
 // next row's vectors while it reduces and writes this one, so loads stay in flight through the
-// row's reductions without registers to hold them (a register prefetch, v7, had cost more
+// row's reductions without registers to hold them (a register prefetch had cost more
 // instructions than it saved). Each thread reads back only the slots it wrote itself: the
 // copies need the thread's own wait, no barrier.
 #if !defined(CLN_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -386,8 +386,8 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
 // Sum over the row's threads. Rows of several warps exchange warp sums through shared memory
 // with one barrier: `phase` alternates between consecutive calls (the caller's row counter), so
 // a fast warp's next write goes to the other buffer while slow warps still read this one.
-// TPR (> 0): the row's threads fixed at compile time, so the branches and the butterfly's trip
-// count below are constants (see FWD_FIXED_WARPS in _launch.py).
+// TPR (> 0): the row's threads fixed at compile time (the row kernel), so the branches and the
+// butterfly's trip count below are constants.
 template <int WARP, int TPR = 0, int K, typename C>
 __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   __shared__ C red[2][K][1024 / WARP];

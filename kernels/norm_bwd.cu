@@ -57,7 +57,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
   typedef Pack<T, VEC> P;
-  // one cluster per row (the host's CLUSTER_TILES), a row of whole warps per block (the
+  // one cluster per row (the config's cluster_tiles), a row of whole warps per block (the
   // exchange's slots: CL times the launch bound's warps)
   constexpr int CSLOTS = CL * bwd_max_threads(NPT) / WARP;
   if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
@@ -71,9 +71,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
   // block after them, [NPT][blockDim.x]. The host gives the dynamic shared memory for it
-  // (_launch.py); a launch with less traps. A compile-time choice: the two paths in one kernel
-  // (chosen by the launch's shared memory) made both slower, 131072x4096 bf16 1190 us against
-  // 957 staged and 1019 direct (S6-4: ptxas spilled 12 bytes in the loop).
+  // (cupyln/_plan.py); a launch with less traps. A compile-time choice: the two paths in one kernel
+  // (chosen by the launch's shared memory) made both slower (131072x4096 bf16: 24% slower than
+  // staged; ptxas spilled in the loop).
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
   // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
@@ -117,8 +117,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     rs = ok ? (C)rstd[r] : C(0);
   };
   // Staged: issues row `row`'s copies into buffer `b` (zeros past M) and loads its statistics
-  // ahead too (loaded in the iteration, they stalled every row: 1104 against 957 us at
-  // 131072x4096 bf16, S6-2). The direct path loads both in the iteration (a prefetch there
+  // ahead too (loaded in the iteration, they stalled every row: 15% slower at
+  // 131072x4096 bf16). The direct path loads both in the iteration (a prefetch there
   // made ptxas spill).
   auto prefetch = [&](cl_i64 row, int b, C& mu, C& rs) {
     if constexpr (STAGED) {
@@ -136,8 +136,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // DYN: staged rows from tickets (RowTickets; the host's variant for deterministic=False, with
   // rows wider than a warp, whose reductions have a block barrier, and one column tile: one
   // counter serves one set of rows). A kernel of its own: the static kernels keep their
-  // registers (S16-1: with both in one, the static path ran up to 10% slower). S16-3: 16384x8192
-  // bf16 222 us static against 218 dynamic, 131072x4096 872 against 842.
+  // registers (with both in one, the static path ran up to 10% slower); tickets are 3.5% faster
+  // at 131072x4096 bf16.
   if (DYNAMIC && (tickets == nullptr || blockDim.x <= WARP || gridDim.y != 1)) cl_trap();
   RowTickets rt(tickets, (unsigned int)((M + blockDim.y - 1) / blockDim.y));  // < 2^31 groups
   unsigned int* btick = nullptr;  // the hand-on: two slots, alternating by row
@@ -253,8 +253,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   for (int k = 0; k < NPT; ++k) {
     const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;  // first column of vector k
     if (blockDim.y == 1) {
-      // one row per block: the thread's own columns, partials as one vector store each (S4-8:
-      // scattered scalar stores had cost the N = 8192 backwards 15-30%)
+      // one row per block: the thread's own columns, partials as one vector store each
+      // (scattered scalar stores had cost the N = 8192 backwards 15-30%)
       const cl_i64 col = base + (cl_i64)t * VEC;
       if (col >= N) continue;
       if constexpr (XC > 1) {
@@ -299,7 +299,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     return;
   }
   // Only the LAST variant has the last-block sums: compiled into the other kernels that code
-  // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16 (S8-3: 960.4 against 889.2 us).
+  // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16.
   if (partial && !(LAST && counter)) return;  // summed by norm_bwd_reduce
 
   // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd(CLN_BWD_PARAMS)
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
-// where the rows fit in its blocks at once, see BWD_CLUSTER_SUMS).
+// where the rows fit in its blocks at once: bwd.cluster_sums).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
@@ -358,7 +358,7 @@ CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
 }
 
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in
-// that many blocks; CL is its CLUSTER_TILES); elsewhere norm_bwd_rowsums, then norm_bwd on
+// that many blocks; CL is bwd.cluster_tiles); elsewhere norm_bwd_rowsums, then norm_bwd on
 // column tiles.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))

@@ -1,6 +1,6 @@
 // Forward pass of LayerNorm (LN = true) and RMSNorm (LN = false), one template for both.
 //
-// Geometry (decided by cupyln/_launch.py alone): blockDim = (tpr, rows per block). A row is held
+// Geometry (decided by cupyln/_plan.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
 // chunk. When the row is one chunk (the common case) x is read from memory once; longer rows
 // are read twice (statistics, then output). Where blocks loop over rows, the staged variant
@@ -68,7 +68,7 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 // ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0
 // included), for kernels whose time is one row's chain. Beta is added in the product's rounding
 // (one fused multiply-add) on every path: left to nvcc, the four cases fused it for float16
-// rows but not for bfloat16 rows or without gamma (S21-3), and kernels' outputs differed in the
+// rows but not for bfloat16 rows or without gamma, and kernels' outputs differed in the
 // last bit.
 template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
           typename C, typename R, typename H>
@@ -140,14 +140,14 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<T, VEC>::type p[NPT];
   // One vector per thread (the planner's choice for small M), or EARLY_PARAMS (its choice for
-  // 4-byte and wider types; see FWD_EARLY in _launch.py): gamma/beta are read right after the
+  // 4-byte and wider types; fwd.early in cupyln/_config.py): gamma/beta are read right after the
   // row, so the three loads are in flight together, instead of after the row's reductions.
   // (Loaded once before the loop, their conversions were hoisted above the row's load and waited
   // for them: two memory trips in a row, in the SASS.)
   constexpr bool EARLY = !CHUNKED && (NPT == 1 || EARLY_PARAMS);
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
   // Staged rows (stage_packs): two buffers of [NPT][threads] packs of x in dynamic shared
-  // memory, given by the host (_launch.py); a launch with less traps. Each thread reads back
+  // memory, given by the host (cupyln/_plan.py); a launch with less traps. Each thread reads back
   // only the slots it copied, so no barrier is added.
   typedef Pack<T, VEC> P;
   constexpr bool STAGED = STAGE && !CHUNKED && CLN_ASYNC_COPY && sizeof(P) >= 4;
@@ -223,9 +223,9 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
-// small M in at most FWD_ROW_WARPS whole warps, one row per block, or for rows of at most a
-// warp, blockDim.y of them per block, whatever M; FWD_NPT vectors for rows of 2 to
-// FWD_ROW_NPT_WARPS whole warps, one row per block, whatever M): the row's threads fixed at
+// small M in at most fwd.row_warps whole warps, one row per block, or for rows of at most a
+// warp, blockDim.y of them per block, whatever M; fwd.npt vectors for rows of 2 to
+// fwd.row_npt_warps whole warps, one row per block, whatever M): the row's threads fixed at
 // compile time, no row loop, and the loads of gamma, beta and x issued first, together. The
 // trap's branch after them ends the block of code they are in: without it ptxas scheduled
 // gamma's and beta's loads after the row's first reduction, next to their use, so their memory
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
     if (LN) mean_out[row] = (float)mu;
     rstd_out[row] = (float)rstd;
   }
-  // one code path for the output: 0.03-0.13 us faster than the four cases (S21-2)
+  // one code path for the output: 0.03-0.13 us faster than the four cases
   write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N,
                                           hg, hb);
 }

@@ -25,7 +25,18 @@ def gpu_count():
         return 0
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-kernels", action="store_true",
+                     help="compile every kernel specialization for every target (CI runs it; "
+                          "about 10 minutes on two cores with -n 2)")
+
+
 def pytest_collection_modifyitems(config, items):
+    skip_compile = pytest.mark.skip(reason="the full compile check: run with --all-kernels")
+    if not config.getoption("--all-kernels"):
+        for item in items:
+            if "all_kernels" in item.keywords:
+                item.add_marker(skip_compile)
     n = gpu_count()
     skip_gpu = pytest.mark.skip(reason="needs a GPU (none found)")
     skip_multi = pytest.mark.skip(reason=f"needs two GPUs ({n} found)")
