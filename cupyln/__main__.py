@@ -1,33 +1,18 @@
-"""``python -m cupyln``: self-check against the reference, then the benchmark table on a GPU.
-
-    python -m cupyln            # self-check; on a GPU also the benchmark
-    python -m cupyln check      # self-check only
-    python -m cupyln bench ...  # benchmark only (arguments as benchmarks/bench.py)
-"""
+"""``python -m cupyln [check|bench|info]``: see ``python -m cupyln --help``."""
 
 from __future__ import annotations
 
+import os
 import sys
 
-import numpy as np
-
-from . import _check
-
-
-def _gpu():
-    """(cupy module, device name) when a GPU is usable, else (None, reason)."""
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None, "no GPU found"
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        return cupy, props["name"].decode()
-    except Exception as e:  # no CuPy, no driver, no device
-        return None, f"no usable GPU ({type(e).__name__}: {e})".splitlines()[0]
+from . import __version__
+from ._cli import main_parser
+from ._device import gpu
 
 
 def run_check(xp, label):
+    from . import _check
+
     print(f"self-check on {label}: cupyln vs the NumPy float64 reference")
     table = _check.self_check(xp)
     print(_check.format_table(table))
@@ -36,24 +21,55 @@ def run_check(xp, label):
     return not bad
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = argv.pop(0) if argv and argv[0] in ("check", "bench") else "all"
-    cp, what = _gpu()
+def check():
+    cp, what = gpu()
     if cp is None:
-        if cmd == "bench":
-            print(f"{what}: the benchmark needs a GPU")
-            return 1
+        import numpy as np
+
         print(f"{what}: running the NumPy path (reference implementation) on the CPU")
         return 0 if run_check(np, "CPU (NumPy path)") else 1
-    ok = True
-    if cmd in ("all", "check"):
-        ok = run_check(cp, f"GPU {what}")
-    if cmd in ("all", "bench") and ok:
+    return 0 if run_check(cp, f"GPU {what}") else 1
+
+
+def info():
+    import numpy as np
+
+    print(f"cupyln {__version__} ({os.path.dirname(os.path.abspath(__file__))})")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
+    try:
+        import cupy
+    except ImportError as e:
+        print(f"cupy: not installed ({e}); only NumPy arrays are accepted")
+        return 0
+    rt = cupy.cuda.runtime
+    platform = "ROCm/HIP" if rt.is_hip else "CUDA"
+    try:
+        ver = rt.runtimeGetVersion()
+        print(f"cupy {cupy.__version__}, {platform} runtime {ver // 1000}.{ver % 1000 // 10}")
+    except Exception as e:
+        print(f"cupy {cupy.__version__}, {platform} runtime unavailable ({type(e).__name__})")
+    cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    print(f"compile cache: {cache}")
+    cp, what = gpu()
+    print(f"device: {what}" if cp is not None else f"device: none ({what})")
+    return 0
+
+
+def main(argv=None):
+    args, rest = main_parser(__version__).parse_known_args(argv)
+    if rest and args.command != "bench":
+        main_parser(__version__).parse_args(argv)  # exits 2 naming the unknown arguments
+    if args.command == "info":
+        return info()
+    if args.command == "bench":
+        cp, what = gpu()
+        if cp is None:
+            print(f"the benchmark needs a GPU: {what}", file=sys.stderr)
+            return 1
         from . import bench
 
-        return bench.main(argv)
-    return 0 if ok else 1
+        return bench.run_args(args)
+    return check()
 
 
 if __name__ == "__main__":

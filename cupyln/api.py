@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import reference as _ref
+from . import _numpy_path
 from ._config import DEFAULT, Config
 from ._dtypes import FLOAT32, SUPPORTED_DTYPES, SUPPORTED_NAMES, param_dtype
 from ._layout import span
@@ -78,6 +78,10 @@ def _check_devices(arrays):
 
 def _check_dtype(name, a):
     if a.dtype not in SUPPORTED_DTYPES:
+        if a.dtype.newbyteorder("=") in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {a.dtype.str}, a byte order other than the machine's: convert "
+                f"it first, e.g. {name}.astype({name}.dtype.newbyteorder('='))")
         raise TypeError(f"{name} has dtype {a.dtype}; expected {SUPPORTED_NAMES}")
 
 
@@ -113,68 +117,71 @@ def _check_flag(name, v):
     return bool(v)
 
 
+def _shape_arg(normalized_shape):
+    """normalized_shape as a tuple of ints (TypeError / ValueError naming it otherwise)."""
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (normalized_shape,)
+    if isinstance(normalized_shape, (str, bytes)) or not hasattr(normalized_shape, "__iter__"):
+        raise TypeError("normalized_shape must be an int or a tuple of ints, "
+                        f"got {type(normalized_shape).__name__}")
+    want = tuple(normalized_shape)
+    if not all(isinstance(s, numbers.Integral) for s in want):
+        raise TypeError(f"normalized_shape must hold ints, got {want!r}")
+    if not want:
+        raise ValueError("normalized_shape must name at least one axis, got ()")
+    return tuple(int(s) for s in want)
+
+
 def _norm_ndim(x, gamma, beta, normalized_shape):
-    """Number of trailing normalized axes of x, checked against gamma, beta, normalized_shape."""
+    """Number of trailing normalized axes of x, checked against gamma, beta, normalized_shape.
+    A parameter that disagrees is blamed against x's own trailing axes, so that of gamma (63,)
+    and beta (64,) with x (.., 64) the message names gamma."""
     if x.ndim == 0:
         raise ValueError("x must have at least one axis (the normalized one), got a 0-d array")
-    want = source = None
-    if normalized_shape is not None:
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        try:
-            want = tuple(int(s) for s in normalized_shape)
-        except TypeError:
-            raise TypeError(
-                "normalized_shape must be an int or a tuple of ints, "
-                f"got {type(normalized_shape).__name__}"
-            ) from None
-        if not want:
-            raise ValueError("normalized_shape must name at least one axis, got ()")
-        source = "normalized_shape"
+    named = [("normalized_shape", _shape_arg(normalized_shape))] if normalized_shape is not None \
+        else []
     for name, p in (("gamma", gamma), ("beta", beta)):
-        if p is None:
-            continue
-        if p.ndim == 0:
-            raise ValueError(f"{name} must have at least one axis, got a 0-d array")
-        if want is None:
-            want, source = tuple(p.shape), name
-        elif tuple(p.shape) != want:
+        if p is not None:
+            if p.ndim == 0:
+                raise ValueError(f"{name} must have at least one axis, got a 0-d array")
+            named.append((name, tuple(p.shape)))
+    if not named:
+        named = [("x", (x.shape[-1],))]
+    for name, want in named:
+        k = len(want)
+        if k > x.ndim or tuple(x.shape[x.ndim - k :]) != want:
             raise ValueError(
-                f"{name} has shape {tuple(p.shape)}; expected the normalized shape {want} "
-                f"(from {source})"
-            )
-    if want is None:
-        want = (x.shape[-1],)
-    k = len(want)
-    if k > x.ndim or tuple(x.shape[x.ndim - k :]) != want:
-        raise ValueError(
-            f"{source} has shape {want} but x has shape {tuple(x.shape)}: the trailing axes "
-            "of x must equal the normalized shape"
-        )
+                f"{name} has shape {want} but x has shape {tuple(x.shape)}: the trailing axes "
+                "of x must equal the normalized shape")
+    source, want = named[0]
+    for name, other in named[1:]:  # each matches x's trailing axes, over different numbers
+        if other != want:
+            raise ValueError(f"{name} has shape {other}; expected the normalized shape {want} "
+                             f"(from {source})")
     if 0 in want:
         raise ValueError(f"the normalized shape {want} must have at least one element (N >= 1)")
-    return k
+    return len(want)
 
 
 def _check_stats(x, stats):
-    """mean/rstd: float32, one shape, equal to a leading part of x's shape. Returns norm_ndim."""
-    shape = None
-    for name, s in stats:
-        if s.dtype != FLOAT32:
-            raise ValueError(f"{name} has dtype {s.dtype}; expected float32")
-        if shape is None:
-            shape = tuple(s.shape)
-        elif tuple(s.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {shape} like mean")
-    k = x.ndim - len(shape)
-    if k < 1 or tuple(x.shape[: len(shape)]) != shape:
-        raise ValueError(
-            f"{stats[0][0]} has shape {shape}; expected the leading shape of x "
-            f"(a proper prefix of {tuple(x.shape)})"
-        )
-    if 0 in x.shape[len(shape) :]:
+    """mean/rstd: float32, each a proper leading part of x's shape, one shape. Returns
+    norm_ndim."""
+    for name, st in stats:
+        if st.dtype != FLOAT32:
+            raise ValueError(f"{name} has dtype {st.dtype}; expected float32")
+        n = st.ndim
+        if n >= x.ndim or tuple(x.shape[:n]) != tuple(st.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(st.shape)}; expected the leading shape of x "
+                f"(a proper prefix of {tuple(x.shape)})")
+    shapes = {tuple(st.shape) for _, st in stats}
+    if len(shapes) > 1:
+        raise ValueError("mean has shape {}, rstd {}: they must be one shape".format(
+            *(tuple(st.shape) for _, st in stats)))
+    n = stats[0][1].ndim
+    if 0 in x.shape[n:]:
         raise ValueError("the normalized part of x must have at least one element (N >= 1)")
-    return k
+    return x.ndim - n
 
 
 def _check_bwd(dy, x, gamma, stats):
@@ -227,6 +234,8 @@ def _check_out(out, want, kind, dev, inputs):
             raise ValueError(f"{label} has shape {tuple(o.shape)}; expected {tuple(shape)}")
         if not o.flags.c_contiguous:
             raise ValueError(f"{label} must be C-contiguous")
+        if not getattr(o.flags, "writeable", True):
+            raise ValueError(f"{label} is read-only")
         if kind == "cupy" and o.data.device_id != dev:
             raise ValueError(f"{label} is on device {o.data.device_id}; the inputs are on {dev}")
         if spans is None:
@@ -238,14 +247,6 @@ def _check_out(out, want, kind, dev, inputs):
         if o.size:
             spans.append((label, (lo, hi)))  # outputs must not share memory either
     return tuple(out)
-
-
-def _into(o, value):
-    """Write ``value`` into the out entry ``o`` (NumPy path) or return it as the output."""
-    if o is None:
-        return value
-    np.copyto(o, value, casting="unsafe")
-    return o
 
 
 # ----------------------------------------------------------------------------- hot calls
@@ -323,13 +324,8 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config):
         from . import _passes
 
         return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key), config)
-    out = out or (None,) * (3 if is_ln else 2)
-    if is_ln:
-        y, mean, rstd = _ref.layer_norm_fwd(x, gamma, beta, eps, k)
-        return (_into(out[0], y.astype(x.dtype)), _into(out[1], mean.astype(FLOAT32)),
-                _into(out[2], rstd.astype(FLOAT32)))
-    y, rstd = _ref.rms_norm_fwd(x, gamma, eps, k)
-    return _into(out[0], y.astype(x.dtype)), _into(out[1], rstd.astype(FLOAT32))
+    res = _numpy_path.forward(x, gamma, beta, eps, k, is_ln, out)
+    return res if is_ln else (res[0], res[-1])
 
 
 def layer_norm_fwd(
@@ -455,14 +451,8 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
             dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out,
             _remember(key), config,
         )
-    out = out or (None, None, None)
-    dx, dgamma, dbeta = _ref._norm_bwd(dy, x, gamma, mean, rstd)
-    pdt = param_dtype(gamma, x.dtype)
-    return (
-        _into(out[0], dx.astype(x.dtype)) if need_dx else None,
-        _into(out[1], dgamma.astype(pdt)) if need_dgamma else None,
-        _into(out[2], dbeta.astype(pdt)) if need_dbeta else None,
-    )
+    return _numpy_path.backward(dy, x, gamma, mean, rstd, k,
+                                (need_dx, need_dgamma, need_dbeta), out)
 
 
 def layer_norm_bwd(
@@ -513,7 +503,7 @@ def layer_norm_bwd(
     >>> x = np.array([[1.0, 2.0, 3.0, 4.0]])
     >>> y, mean, rstd = cupyln.layer_norm_fwd(x, np.ones(4), np.zeros(4))
     >>> dx, dgamma, dbeta = cupyln.layer_norm_bwd(np.ones_like(x), x, np.ones(4), mean, rstd)
-    >>> np.abs(dx).max() < 1e-6, dbeta
+    >>> bool(np.abs(dx).max() < 1e-6), dbeta  # dy constant along the row: dx is 0
     (True, array([1., 1., 1., 1.]))
     """
     if mean is None:
@@ -545,8 +535,8 @@ def rms_norm_bwd(
     >>> x = np.array([[3.0, 4.0]])
     >>> y, rstd = cupyln.rms_norm_fwd(x, np.ones(2))
     >>> dx, dgamma = cupyln.rms_norm_bwd(np.ones_like(x), x, np.ones(2), rstd)
-    >>> np.round(dgamma, 4)
-    array([0.6, 0.8])
+    >>> np.round(dgamma, 4)  # sum over rows of dy * x * rstd
+    array([0.8485, 1.1314])
     """
     dx, dgamma, _ = _bwd(dy, x, gamma, None, rstd, need_dx, need_dgamma, False, deterministic,
                          out, config)

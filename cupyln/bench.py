@@ -17,7 +17,6 @@ documented in benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import importlib.resources
 import json
 import os
@@ -28,6 +27,7 @@ import numpy as np
 
 import cupyln
 
+from ._cli import bench_parser
 from ._dtypes import BFLOAT16
 
 SCHEMA_VERSION = 1
@@ -340,9 +340,12 @@ def run(shapes, progress=True):
     rows = []
     it = shapes
     if progress:
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
 
-        it = tqdm(shapes, desc="benchmark", unit="shape")
+            it = tqdm(shapes, desc="benchmark", unit="shape")
+        except ImportError:  # tqdm comes with the bench extra
+            pass
     for op, M, N, dt in it:
         dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
@@ -433,19 +436,11 @@ def plot(result, path, M=4096, dtype="float16", op="layernorm"):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m cupyln bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", help="JSON file like benchmark_shapes.json (default: bundled)")
-    ap.add_argument("--shape", nargs=4, action="append", metavar=("OP", "M", "N", "DTYPE"),
-                    default=[], help="an extra shape, e.g. layernorm 4096 1024 float16")
-    ap.add_argument("--only", action="store_true", help="only the --shape shapes")
-    ap.add_argument("--out", default="bench.json", help="JSON output path")
-    ap.add_argument("--plot", default=None, help="PNG plot path")
-    a = ap.parse_args(argv)
+def run_args(a):
+    """Run the benchmark for parsed arguments (see cupyln._cli.add_bench_arguments)."""
     shapes = [] if a.only else load_shapes(a.shapes)
     shapes += [(op, int(M), int(N), dt) for op, M, N, dt in a.shape]
-    result = run(shapes)
+    result = run(shapes, progress=not a.no_progress)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     if a.plot:
@@ -453,3 +448,10 @@ def main(argv=None):
     print(table(result))
     return 0
 
+
+def main(argv=None):
+    return run_args(bench_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -198,3 +198,74 @@ def test_bad_out_raises_and_writes_nothing(exc, msg, call):
     with pytest.raises(exc, match=msg):
         call(o)
     assert all((a == 7.0).all() for a in o)
+
+
+X64 = _rand((8, 64), seed=3)
+
+BAD_USER = [  # the messages name the argument that is wrong
+    (ValueError, r"gamma has shape \(63,\) but x",
+     lambda: cupyln.layer_norm_fwd(X64, _rand((63,)), _rand((64,)))),
+    (ValueError, r"mean has shape \(9,\)",
+     lambda: cupyln.layer_norm_bwd(X64, X64, None, np.zeros(9, np.float32),
+                                   np.ones(8, np.float32))),
+    (TypeError, "normalized_shape must be an int or a tuple of ints, got str",
+     lambda: cupyln.layer_norm_fwd(X64, normalized_shape="abc")),
+    (TypeError, "normalized_shape must hold ints",
+     lambda: cupyln.layer_norm_fwd(X64, normalized_shape=(64.0,))),
+    (TypeError, "byte order other than the machine's",
+     lambda: cupyln.layer_norm_fwd(X64.astype(X64.dtype.newbyteorder("S")))),
+]
+
+
+@pytest.mark.parametrize("exc,msg,call", BAD_USER)
+def test_bad_input_names_the_argument(exc, msg, call):
+    with pytest.raises(exc, match=msg):
+        call()
+
+
+def test_read_only_out_is_refused_before_any_output_is_written():
+    y = np.full(X64.shape, 7, np.float32)
+    mean = np.full(8, 7, np.float32)
+    rstd = np.full(8, 7, np.float32)
+    rstd.flags.writeable = False
+    with pytest.raises(ValueError, match="out rstd is read-only"):
+        cupyln.layer_norm_fwd(X64, out=(y, mean, rstd))
+    assert (y == 7).all() and (mean == 7).all()
+
+
+def test_eps_zero_on_a_constant_row_is_documented_and_quiet():
+    import warnings
+
+    x = np.ones((2, 16), np.float32)
+    x[1] = np.arange(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, mean, rstd = cupyln.layer_norm_fwd(x, eps=0.0)
+        dx, _, _ = cupyln.layer_norm_bwd(np.ones_like(x), x, None, mean, rstd)
+    assert np.isinf(rstd[0]) and np.isnan(y[0]).all()  # 0 * inf: as the docstring says
+    assert np.isfinite(y[1]).all() and np.isfinite(dx[1]).all()  # other rows untouched
+
+
+@pytest.mark.parametrize("M,N", [(37, 100), (5, 3000), (1, 7)])
+def test_numpy_path_in_blocks_equals_the_reference(monkeypatch, M, N):
+    from cupyln import _numpy_path
+
+    monkeypatch.setattr(_numpy_path, "BLOCK_BYTES", 8 * N * 2)  # two rows per block
+    x, dy, g, b = (_rand(s, seed=i) for i, s in enumerate([(M, N), (M, N), (N,), (N,)]))
+    y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
+    ry, rm, rr = ref.layer_norm_fwd(x, g, b)
+    np.testing.assert_allclose(y, ry, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mean, rm, rtol=1e-6, atol=1e-6)
+    dx, dg, db = cupyln.layer_norm_bwd(dy, x, g, mean, rstd)
+    rdx, rdg, rdb = ref.layer_norm_bwd(dy, x, g, mean, rstd)
+    for a, w in ((dx, rdx), (dg, rdg), (db, rdb)):
+        np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-4)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from cupyln import api
+
+    result = doctest.testmod(api, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 4 and result.failed == 0
