@@ -4,28 +4,29 @@ Each GPU runs forward and backward on its shard of the batch; dgamma/dbeta are s
 GPUs with NCCL all-reduce (one process driving every GPU, the calls grouped). The result must
 match the single-GPU backward of the whole batch.
 
-    python examples/data_parallel.py [M N]
+    python examples/data_parallel.py [--rows M] [--cols N]
 """
 
+import argparse
 import os
+import sys
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast: it can take shared hosts down
 
-import sys  # noqa: E402
-
-import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
-from cupy.cuda import nccl  # noqa: E402
 
 import cupyln  # noqa: E402
-
-_NCCL_TYPES = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
-               np.dtype(np.float16): nccl.NCCL_FLOAT16}
+from cupyln._device import gpu  # noqa: E402
 
 
 def data_parallel_backward(x, dy, gamma, devices, deterministic=True):
     """Shard the rows of host arrays x, dy over `devices`; return, per device, (dx shard,
     dgamma, dbeta) with dgamma/dbeta all-reduced (summed) over the devices."""
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+             np.dtype(np.float16): nccl.NCCL_FLOAT16}
     shards = np.array_split(np.arange(x.shape[0]), len(devices))
     comms = nccl.NcclCommunicator.initAll(list(devices))
     outs = []
@@ -40,7 +41,7 @@ def data_parallel_backward(x, dy, gamma, devices, deterministic=True):
         with cp.cuda.Device(dev):
             stream = cp.cuda.get_current_stream().ptr
             for a in (dg, db):
-                comm.allReduce(a.data.ptr, a.data.ptr, a.size, _NCCL_TYPES[a.dtype],
+                comm.allReduce(a.data.ptr, a.data.ptr, a.size, types[a.dtype],
                                nccl.NCCL_SUM, stream)
     nccl.groupEnd()
     for dev in devices:
@@ -49,6 +50,8 @@ def data_parallel_backward(x, dy, gamma, devices, deterministic=True):
 
 
 def main(M=8192, N=4096):
+    import cupy as cp
+
     ndev = cp.cuda.runtime.getDeviceCount()
     rng = np.random.default_rng(0)
     x = (-2.3 + 0.5 * rng.standard_normal((M, N))).astype(np.float16)
@@ -69,5 +72,11 @@ def main(M=8192, N=4096):
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:3]]
-    sys.exit(0 if main(*args) <= 1e-4 else 1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=8192, help="rows M of the batch (8192)")
+    ap.add_argument("--cols", type=int, default=4096, help="normalized size N (4096)")
+    a = ap.parse_args()
+    cp_, why = gpu()
+    if cp_ is None:
+        sys.exit(f"data_parallel.py needs one or more GPUs: {why}")
+    sys.exit(0 if main(a.rows, a.cols) <= 1e-4 else 1)
