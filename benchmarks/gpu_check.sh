@@ -2,7 +2,8 @@
 # One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
 # Logs go to $OUT/logs.tgz (the device tool returns at most 8 files), results beside it; a short
 # table is printed last. Usage (on the device machine):
-#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench (default all;
+#   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench train (default
+#   all but train, the PyTorch training example with its loss curves;
 #   TESTS_K="expr" runs only the GPU tests pytest -k selects; TEST_WORKERS=N the processes
 #   that run them, default 8),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
@@ -53,7 +54,10 @@ fi
 for s in $stages; do
   case $s in
     tests) run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider "${workers[@]}" \
-             ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_*.py tests/test_notebooks.py ;;
+             ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_*.py tests/test_torch.py \
+             tests/test_notebooks.py ;;
+    train) run train python3 examples/train_torch.py --json "$OUT/train.json" \
+             --plot "$OUT/train.png" ;;
     fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
             run fuzz python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_gpu_*.py \
             -k fuzz ;;

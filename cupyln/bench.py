@@ -218,6 +218,62 @@ def cases(op, x, dy, g, b, torch, liger, deterministic=False, config=None):
     return out
 
 
+# ----------------------------------------------------------------------------- modules
+
+# Shapes of the module rows: the autograd path of cupyln.torch against torch.nn's and Liger's
+# modules (device time of a forward, and of a backward through autograd).
+MODULE_SHAPES = [("layernorm", 4096, 4096, "bfloat16"), ("rmsnorm", 4096, 4096, "bfloat16"),
+                 ("layernorm", 32, 512, "float16")]
+
+
+def _modules(torch, op, N, with_liger):
+    """{provider: module class} of the norm ``op``: cupyln.torch's, torch.nn's, Liger's."""
+    import cupyln.torch as ct
+
+    name = "LayerNorm" if op == "layernorm" else "RMSNorm"
+    mods = {"cupyln.torch": getattr(ct, name), "torch.nn": getattr(torch.nn, name)}
+    if with_liger:
+        try:
+            from liger_kernel import transformers as lt
+
+            mods["liger.nn"] = getattr(lt, f"Liger{name}")
+        except Exception:  # Liger's modules need more than its ops: left out
+            pass
+    return mods
+
+
+def module_cases(torch, op, M, N, dtype, with_liger):
+    """{(provider, pass): callable}: forward through the module, backward through autograd."""
+    x = torch.randn(M, N, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(M, N, device="cuda", dtype=dtype)
+    out = {}
+    for prov, cls in _modules(torch, op, N, with_liger).items():
+        m = cls(N).to(device="cuda", dtype=dtype)
+        y = m(x)
+        wrt = (x, *m.parameters())
+        out[prov, "module_fwd"] = lambda m=m: m(x)
+        out[prov, "module_bwd"] = lambda y=y, wrt=wrt: torch.autograd.grad(y, wrt, dy,
+                                                                           retain_graph=True)
+    return out
+
+
+def module_rows(torch, with_liger):
+    if torch is None:
+        return []
+    rows = []
+    for op, M, N, dt in MODULE_SHAPES:
+        dtype = getattr(torch, dt)
+        for (prov, pass_), us in interleaved_us(
+                module_cases(torch, op, M, N, dtype, with_liger)).items():
+            if isinstance(us, Exception):
+                continue
+            isz = torch.finfo(dtype).bits // 8
+            gbs = moved_bytes(op, pass_[7:], M, N, isz, isz) / us / 1e3
+            rows.append({"op": op, "M": M, "N": N, "dtype": dt, "pass": pass_,
+                         "provider": prov, "us": us, "GBs": gbs})
+    return rows
+
+
 # ----------------------------------------------------------------------------- host time
 
 
@@ -244,6 +300,17 @@ def host_rows(torch):
             ("cupyln", "bwd_host_out",
              lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd, out=bo))]
     if torch is not None:
+        import cupyln.torch as ct
+
+        mods = {"cupyln.torch": ct.LayerNorm(512), "torch.nn": torch.nn.LayerNorm(512)}
+        mx = torch.randn(32, 512, device="cuda", dtype=torch.float16, requires_grad=True)
+        mdy = torch.randn_like(mx)
+        for prov, m in mods.items():
+            m = m.to(device="cuda", dtype=torch.float16)
+            my = m(mx)
+            rows += [(prov, "module_fwd_host", lambda m=m: m(mx)),
+                     (prov, "module_bwd_host", lambda my=my, m=m: torch.autograd.grad(
+                         my, (mx, *m.parameters()), mdy, retain_graph=True))]
         tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
         _, tm, tr = torch.ops.aten.native_layer_norm(tx, [512], tg, tb, 1e-5)
         F, lnb = torch.nn.functional, torch.ops.aten.native_layer_norm_backward
@@ -358,6 +425,7 @@ def run(shapes, progress=True):
                          "provider": prov, "us": us, "GBs": gbs})
         del x, dy, g, b
         cp.get_default_memory_pool().free_all_blocks()
+    rows += module_rows(torch, liger is not None)
     rows += host_rows(torch)
     rows += compile_rows()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -405,8 +473,8 @@ def table(result):
             f"{100 * c['GBs'] / copy:>5.1f}% {'-' if t is None else f'{t:9.1f}':>9} "
             f"{'-' if li is None else f'{li:9.1f}':>9} {ratio:>11}")
     for r in result["rows"]:
-        if r["GBs"] is None:
-            lines.append(f"{r['provider']:<7} {r['pass']:<24} {r['us']:10.1f} us "
+        if r["GBs"] is None or r["pass"].startswith("module_"):
+            lines.append(f"{r['provider']:<12} {r['pass']:<24} {r['us']:10.1f} us "
                          f"({r['op']} {r['M']}x{r['N']} {r['dtype']})")
     return "\n".join(lines)
 

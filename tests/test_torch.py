@@ -1,0 +1,238 @@
+"""cupyln.torch against torch.nn.functional: values, gradients, gradcheck, torch.compile,
+modules and state_dict, determinism; on the CPU (the NumPy path) and, marked `gpu`, on CUDA
+(DLPack, streams, CUDA graphs, autocast, a short training run)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ct = pytest.importorskip("cupyln.torch")
+F = torch.nn.functional
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+# |cupyln - torch| allowed, relative to max |torch|, by the output's dtype
+TOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def inputs(shape, k, dtype, wdtype, device, affine=(True, True), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (-2.3 + 0.5 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    norm = shape[len(shape) - k:]
+    w = (1 + 0.2 * torch.randn(norm, generator=g, dtype=torch.float64)).to(wdtype) \
+        if affine[0] else None
+    b = (0.2 * torch.randn(norm, generator=g, dtype=torch.float64)).to(wdtype) \
+        if affine[1] else None
+    dy = (0.1 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    return [None if t is None else t.to(device) for t in (x, w, b, dy)]
+
+
+def grads(fn, x, w, b, dy):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+    y = fn(*leaves)
+    wrt = [t for t in leaves if t is not None]
+    return (y, *torch.autograd.grad(y, wrt, dy))
+
+
+CASES = [  # shape, normalized axes, x dtype, weight dtype, (weight, bias)
+    ((4, 7, 64), 1, torch.float32, torch.float32, (True, True)),
+    ((3, 5, 4, 6), 2, torch.float64, torch.float64, (True, True)),
+    ((33, 1000), 1, torch.float16, torch.float32, (True, False)),
+    ((9, 512), 1, torch.bfloat16, torch.bfloat16, (False, False)),
+    ((2, 8, 3000), 1, torch.bfloat16, torch.float32, (True, True)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,k,dt,wdt,affine", CASES)
+def test_layer_norm_matches_torch(device, shape, k, dt, wdt, affine):
+    x, w, b, dy = inputs(shape, k, dt, wdt, device, affine)
+    norm = shape[len(shape) - k:]
+    ours = grads(lambda x, w, b: ct.layer_norm(x, norm, w, b, 1e-5), x, w, b, dy)
+    # torch's reference in float64, so that only cupyln's rounding is measured
+    up = [None if t is None else t.double() for t in (x, w, b, dy)]
+    want = grads(lambda x, w, b: F.layer_norm(x, norm, w, b, 1e-5), *up)
+    assert ours[0].dtype == dt and ours[0].shape == x.shape
+    for i, (a, r) in enumerate(zip(ours, want, strict=True)):
+        assert rel_err(a, r) <= TOL[a.dtype], i
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,k,dt,wdt,affine", CASES)
+def test_rms_norm_matches_torch(device, shape, k, dt, wdt, affine):
+    x, w, _, dy = inputs(shape, k, dt, wdt, device, affine)
+    norm = shape[len(shape) - k:]
+    ours = grads(lambda x, w, _: ct.rms_norm(x, norm, w, 1e-6), x, w, None, dy)
+    up = [None if t is None else t.double() for t in (x, w, dy)]
+    want = grads(lambda x, w, _: F.rms_norm(x, norm, w, 1e-6), up[0], up[1], None, up[2])
+    for i, (a, r) in enumerate(zip(ours, want, strict=True)):
+        assert rel_err(a, r) <= TOL[a.dtype], i
+
+
+def test_gradcheck_in_float64():
+    x, w, b, _ = inputs((3, 4, 10), 1, torch.float64, torch.float64, "cpu")
+    args = [t.requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(lambda x, w, b: ct.layer_norm(x, (10,), w, b), args)
+    assert torch.autograd.gradcheck(lambda x, w: ct.rms_norm(x, (10,), w, 1e-6), args[:2])
+    assert torch.autograd.gradcheck(lambda x: ct.layer_norm(x, 10), args[:1])
+
+
+def test_custom_ops_pass_opcheck():
+    x, w, b, dy = inputs((6, 32), 1, torch.float32, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.cupyln.layer_norm_fwd.default, (x, w, b, [32], 1e-5, False))
+    torch.library.opcheck(torch.ops.cupyln.rms_norm_fwd.default, (x, w, [32], 1e-6, False))
+    _, mean, rstd = torch.ops.cupyln.layer_norm_fwd(x, w, b, [32], 1e-5, False)
+    torch.library.opcheck(torch.ops.cupyln.layer_norm_bwd.default,
+                          (dy, x, w, mean, rstd, True, True, False, True))
+
+
+def test_torch_compile_fullgraph_without_graph_breaks():
+    x, w, b, _ = inputs((4, 16, 64), 1, torch.float32, torch.float32, "cpu")
+
+    def block(x, w, b):
+        return ct.rms_norm(ct.layer_norm(x, (64,), w, b) * 2.0, (64,), w).sum()
+
+    explained = torch._dynamo.explain(block)(x, w, b)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    out = compiled(*leaves)
+    out.backward()
+    want = block(*[t.detach().requires_grad_() for t in (x, w, b)])
+    assert torch.allclose(out, want)
+
+
+def test_modules_are_drop_in():
+    ref = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
+                              torch.nn.RMSNorm([4, 32], eps=1e-5),
+                              torch.nn.LayerNorm(32, bias=False, elementwise_affine=True))
+    ours = torch.nn.Sequential(ct.LayerNorm(32), torch.nn.Linear(32, 32),
+                               ct.RMSNorm([4, 32], eps=1e-5),
+                               ct.LayerNorm(32, bias=False, elementwise_affine=True))
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 4, 32)
+    assert torch.allclose(ours(x), ref(x), atol=1e-5)
+    assert isinstance(ours[0], torch.nn.LayerNorm) and isinstance(ours[2], torch.nn.RMSNorm)
+
+
+def test_replace_norms_swaps_in_place_and_keeps_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Sequential(
+        torch.nn.LayerNorm(16), torch.nn.RMSNorm(16)))
+    weight = model[1][0].weight
+    x = torch.randn(5, 16)
+    want = model(x)
+    assert ct.replace_norms(model, deterministic=True) is model
+    assert type(model[1][0]) is ct.LayerNorm and type(model[1][1]) is ct.RMSNorm
+    assert model[1][0].weight is weight and model[1][0].deterministic
+    assert torch.allclose(model(x), want, atol=1e-5)
+
+
+def test_no_weight_gradient_without_weight_and_none_where_not_required():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8)  # not requiring grad
+    y = ct.layer_norm(x, (8,), w, None)
+    (dx,) = torch.autograd.grad(y.sum(), (x,))
+    assert dx.shape == x.shape
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_deterministic_module_is_bitwise_repeatable():
+    norm = ct.LayerNorm(4096, deterministic=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(3000, 4096, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        norm.zero_grad()
+        norm(x).float().square().sum().backward()
+        runs.append((norm.weight.grad.clone(), norm.bias.grad.clone()))
+    for w, b in runs[1:]:
+        assert torch.equal(w, runs[0][0]) and torch.equal(b, runs[0][1])
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_non_contiguous_and_non_default_stream():
+    x, w, b, dy = inputs((64, 2048), 1, torch.float16, torch.float32, "cuda")
+    xt = x.t().contiguous().t()  # column-major: the copy path
+    xs = torch.cat([x, x], 1)[:, 1000:3048]  # rows of a wider buffer, misaligned
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for xin in (xt, xs):
+            got = grads(lambda x, w, b: ct.layer_norm(x, (2048,), w, b), xin, w, b, dy)
+            want = grads(lambda x, w, b: F.layer_norm(x, (2048,), w, b),
+                         *(t.double() for t in (xin, w, b, dy)))
+            for a, r in zip(got, want, strict=True):
+                assert rel_err(a, r) <= TOL[a.dtype]
+    s.synchronize()
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_graph_capture_and_replay():
+    model = torch.nn.Sequential(ct.LayerNorm(1024), torch.nn.Linear(1024, 1024),
+                                ct.RMSNorm(1024)).cuda()
+    x = torch.randn(256, 1024, device="cuda", requires_grad=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compile, plan, fill the pools) outside the capture
+        for _ in range(3):
+            model(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        out = model(x).square().mean()
+        out.backward()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        x.data.copy_(torch.randn_like(x))
+        model.zero_grad(set_to_none=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.nn.Sequential(torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 1024),
+                                  torch.nn.RMSNorm(1024)).cuda()
+        ref.load_state_dict(model.state_dict())
+        want = ref(x.detach()).square().mean()
+        assert torch.allclose(out, want, rtol=1e-4)
+        want.backward()
+        assert torch.allclose(model[0].weight.grad, ref[0].weight.grad, rtol=1e-3, atol=1e-5)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_autocast_bfloat16_with_float32_weights():
+    norm = ct.LayerNorm(768).cuda()
+    ref = torch.nn.LayerNorm(768).cuda()
+    lin = torch.nn.Linear(768, 768).cuda()
+    x = torch.randn(64, 768, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = lin(x)  # bfloat16 under autocast
+        y = norm(h)
+        want = ref(h)
+    assert h.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
+    assert rel_err(y, want) <= TOL[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_training_loss_curves_agree_with_torch(norm):
+    """300 AdamW steps of two pre-norm blocks, torch's norms against cupyln's (same init and
+    data): the loss curves agree within 2% of the initial loss at every step, and both fall."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    import train_torch
+
+    c = train_torch.curves(norm)
+    ours, ref = c["cupyln"], c["torch"]
+    assert ours[-1] < 0.9 * ours[0] and ref[-1] < 0.9 * ref[0]
+    worst = max(abs(a - b) for a, b in zip(ours, ref, strict=True))
+    assert worst <= 0.02 * ref[0], worst
