@@ -66,13 +66,19 @@ def _stream(device):
 
 
 def _run(device, fn, *args, **kw):
-    """``fn(*args, **kw)`` on torch's current stream of a CUDA ``device``, or as it is on CPU."""
+    """``fn`` of the arrays of the tensors ``args`` and ``kw["out"]``, on torch's current stream
+    of a CUDA ``device`` (the arrays are made there too: DLPack then has no stream to order)."""
     if device.type != "cuda":
-        return fn(*args, **kw)
+        return _call(fn, args, kw)
     import cupy
 
     with cupy.cuda.Device(device.index), _stream(device):
-        return fn(*args, **kw)
+        return _call(fn, args, kw)
+
+
+def _call(fn, args, kw):
+    out = kw.pop("out")
+    return fn(*map(_array, args), out=tuple(map(_array, out)), **kw)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -94,8 +100,8 @@ def _like(x):
 def _ln_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
             eps: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic)
-    _run(x.device, api.layer_norm_fwd, _array(x), _array(weight), _array(bias), eps,
-         normalized_shape=normalized_shape, out=(_array(y), _array(mean), _array(rstd)))
+    _run(x.device, api.layer_norm_fwd, x, weight, bias, eps=eps,
+         normalized_shape=normalized_shape, out=(y, mean, rstd))
     return y, mean, rstd
 
 
@@ -109,8 +115,8 @@ def _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic):
 def _rms_fwd(x: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
              deterministic: bool) -> tuple[Tensor, Tensor]:
     y, rstd = _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic)
-    _run(x.device, api.rms_norm_fwd, _array(x), _array(weight), eps,
-         normalized_shape=normalized_shape, out=(_array(y), _array(rstd)))
+    _run(x.device, api.rms_norm_fwd, x, weight, eps=eps, normalized_shape=normalized_shape,
+         out=(y, rstd))
     return y, rstd
 
 
@@ -139,10 +145,8 @@ def _ln_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Te
     need = (need_dx, need_dweight and weight is not None, need_dbias)
     grads = _grads(x, weight, mean, need)
     if any(need):
-        _run(x.device, api.layer_norm_bwd, _array(dy), _array(x), _array(weight),
-             _array(mean), _array(rstd), need_dx=need[0], need_dgamma=need[1],
-             need_dbeta=need[2], deterministic=deterministic,
-             out=tuple(_array(g) for g in grads))
+        _run(x.device, api.layer_norm_bwd, dy, x, weight, mean, rstd, need_dx=need[0],
+             need_dgamma=need[1], need_dbeta=need[2], deterministic=deterministic, out=grads)
     return _filled(grads, x)
 
 
@@ -158,9 +162,8 @@ def _rms_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, need_dx
     need = (need_dx, need_dweight and weight is not None)
     grads = _grads(x, weight, rstd, need)
     if any(need):
-        _run(x.device, api.rms_norm_bwd, _array(dy), _array(x), _array(weight), _array(rstd),
-             need_dx=need[0], need_dgamma=need[1], deterministic=deterministic,
-             out=tuple(_array(g) for g in grads))
+        _run(x.device, api.rms_norm_bwd, dy, x, weight, rstd, need_dx=need[0],
+             need_dgamma=need[1], deterministic=deterministic, out=grads)
     return _filled(grads, x)
 
 
