@@ -289,8 +289,10 @@ def _remember(key):
 
 def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config):
     key = None
-    if type(x) is _CUPY_ARRAY and type(eps) is float and normalized_shape is None:
-        key = _key((is_ln, eps) if config is None else (is_ln, eps, config), (x, gamma, beta), out)
+    if type(x) is _CUPY_ARRAY and type(eps) is float and (
+            normalized_shape is None or type(normalized_shape) is tuple):
+        head = (is_ln, eps, normalized_shape, config)
+        key = _key(head if normalized_shape or config else head[:2], (x, gamma, beta), out)
         hot = _HOT.get(key)
         if hot is not None:
             res = hot(x, gamma, beta, out)

@@ -5,9 +5,10 @@
     norm = ct.LayerNorm(1024)                             # torch.nn.LayerNorm's arguments
     ct.replace_norms(model)                               # swap a model's norms in place
 
-The ops are ``torch.library`` custom ops (``cupyln::layer_norm_fwd`` and friends) with fake
-implementations and registered autograd, so ``torch.compile(fullgraph=True)`` traces them and
-``torch.autograd.gradcheck`` passes. CUDA tensors go to the kernels without a copy (DLPack,
+Under ``torch.compile`` the calls are ``torch.library`` custom ops (``cupyln::layer_norm_fwd``
+and friends) with fake implementations and registered autograd, so ``fullgraph=True`` traces
+them; in eager mode the same functions run as a ``torch.autograd.Function``, without the custom
+op's dispatch cost. CUDA tensors go to the kernels without a copy (DLPack,
 bfloat16 included), on torch's current stream of the tensor's device, into outputs allocated
 by torch (its caching allocator and CUDA graph pools hold them); the forward's mean/rstd are
 saved for the backward. CPU tensors run cupyln's NumPy path (the float64 reference, rounded to
@@ -45,7 +46,8 @@ def _array(t):
     if t.is_cuda:
         import cupy
 
-        a = cupy.from_dlpack(t)
+        # stream -1: no synchronisation (the caller is on the tensor's stream already)
+        a = cupy.from_dlpack(t.__dlpack__(stream=-1))
     else:
         a = t.numpy()
     return a.view(BFLOAT16) if bf16 else a
@@ -96,31 +98,27 @@ def _like(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("cupyln::layer_norm_fwd", mutates_args=())
-def _ln_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
+def _ln_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
             eps: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic)
     _run(x.device, api.layer_norm_fwd, x, weight, bias, eps=eps,
-         normalized_shape=normalized_shape, out=(y, mean, rstd))
+         normalized_shape=tuple(normalized_shape), out=(y, mean, rstd))
     return y, mean, rstd
 
 
-@_ln_fwd.register_fake
 def _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic):
     lead = _lead(x, normalized_shape)
     return _like(x), x.new_empty(lead, dtype=torch.float32), x.new_empty(lead, dtype=torch.float32)
 
 
-@torch.library.custom_op("cupyln::rms_norm_fwd", mutates_args=())
-def _rms_fwd(x: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
+def _rms_fwd_impl(x: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
              deterministic: bool) -> tuple[Tensor, Tensor]:
     y, rstd = _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic)
-    _run(x.device, api.rms_norm_fwd, x, weight, eps=eps, normalized_shape=normalized_shape,
-         out=(y, rstd))
+    _run(x.device, api.rms_norm_fwd, x, weight, eps=eps,
+         normalized_shape=tuple(normalized_shape), out=(y, rstd))
     return y, rstd
 
 
-@_rms_fwd.register_fake
 def _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic):
     return _like(x), x.new_empty(_lead(x, normalized_shape), dtype=torch.float32)
 
@@ -138,8 +136,7 @@ def _filled(grads, x):
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
-@torch.library.custom_op("cupyln::layer_norm_bwd", mutates_args=())
-def _ln_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
+def _ln_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
             need_dx: bool, need_dweight: bool, need_dbias: bool,
             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None, need_dbias)
@@ -150,14 +147,12 @@ def _ln_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Te
     return _filled(grads, x)
 
 
-@_ln_bwd.register_fake
-def _(dy, x, weight, mean, rstd, need_dx, need_dweight, need_dbias, deterministic):
+def _ln_bwd_fake(dy, x, weight, mean, rstd, need_dx, need_dweight, need_dbias, deterministic):
     return _filled(_grads(x, weight, mean, (need_dx, need_dweight and weight is not None,
                                             need_dbias)), x)
 
 
-@torch.library.custom_op("cupyln::rms_norm_bwd", mutates_args=())
-def _rms_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, need_dx: bool,
+def _rms_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, need_dx: bool,
              need_dweight: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None)
     grads = _grads(x, weight, rstd, need)
@@ -167,9 +162,20 @@ def _rms_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, need_dx
     return _filled(grads, x)
 
 
-@_rms_bwd.register_fake
-def _(dy, x, weight, rstd, need_dx, need_dweight, deterministic):
+def _rms_bwd_fake(dy, x, weight, rstd, need_dx, need_dweight, deterministic):
     return _filled(_grads(x, weight, rstd, (need_dx, need_dweight and weight is not None)), x)
+
+
+def _op(name, impl, fake):
+    op = torch.library.custom_op(f"cupyln::{name}", impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+_ln_fwd = _op("layer_norm_fwd", _ln_fwd_impl, _ln_fwd_fake)
+_rms_fwd = _op("rms_norm_fwd", _rms_fwd_impl, _rms_fwd_fake)
+_ln_bwd = _op("layer_norm_bwd", _ln_bwd_impl, _ln_bwd_fake)
+_rms_bwd = _op("rms_norm_bwd", _rms_bwd_impl, _rms_bwd_fake)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -189,8 +195,8 @@ def _ln_backward(ctx, dy, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_w, need_b = need[1] and weight is not None, need[2] and ctx.has_bias
-    dx, dw, db = _ln_bwd(dy, x, weight, mean, rstd, need[0], need_w, need_b,
-                         _deterministic(ctx))
+    bwd = _ln_bwd if torch.compiler.is_compiling() else _ln_bwd_impl
+    dx, dw, db = bwd(dy, x, weight, mean, rstd, need[0], need_w, need_b, _deterministic(ctx))
     return (dx if need[0] else None, dw if need_w else None, db if need_b else None,
             None, None, None)
 
@@ -205,12 +211,28 @@ def _rms_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_w = need[1] and weight is not None
-    dx, dw = _rms_bwd(dy, x, weight, rstd, need[0], need_w, _deterministic(ctx))
+    bwd = _rms_bwd if torch.compiler.is_compiling() else _rms_bwd_impl
+    dx, dw = bwd(dy, x, weight, rstd, need[0], need_w, _deterministic(ctx))
     return dx if need[0] else None, dw if need_w else None, None, None, None
 
 
 _ln_fwd.register_autograd(_ln_backward, setup_context=_ln_setup)
 _rms_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+class _LayerNorm(torch.autograd.Function):
+    """The eager path: the same forward, setup and backward without the custom op's dispatch
+    (its host time per call is several times the kernels' at small shapes)."""
+
+    forward = staticmethod(_ln_fwd_impl)
+    setup_context = staticmethod(_ln_setup)
+    backward = staticmethod(_ln_backward)
+
+
+class _RMSNorm(torch.autograd.Function):
+    forward = staticmethod(_rms_fwd_impl)
+    setup_context = staticmethod(_rms_setup)
+    backward = staticmethod(_rms_backward)
 
 
 # ----------------------------------------------------------------------------- functions
@@ -228,7 +250,8 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     """``torch.nn.functional.layer_norm`` through cupyln's kernels; differentiable in x, weight
     and bias. Output in x's dtype (float32 weights with 16-bit x are fine). Errors as
     ``cupyln.layer_norm_fwd``."""
-    return _ln_fwd(x, weight, bias, _shape(normalized_shape), float(eps), deterministic)[0]
+    fn = _ln_fwd if torch.compiler.is_compiling() else _LayerNorm.apply
+    return fn(x, weight, bias, _shape(normalized_shape), float(eps), deterministic)[0]
 
 
 def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
@@ -237,7 +260,8 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
     epsilon of x's dtype, as torch)."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    return _rms_fwd(x, weight, _shape(normalized_shape), float(eps), deterministic)[0]
+    fn = _rms_fwd if torch.compiler.is_compiling() else _RMSNorm.apply
+    return fn(x, weight, _shape(normalized_shape), float(eps), deterministic)[0]
 
 
 # ----------------------------------------------------------------------------- modules
