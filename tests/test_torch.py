@@ -186,7 +186,9 @@ def test_cuda_graph_capture_and_replay():
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     model.zero_grad(set_to_none=False)
-    with torch.cuda.graph(graph):
+    # captured on the warm-up stream: CuPy's pool, which holds cupyln's scratch, reuses memory
+    # per stream, and a capture may not allocate new memory
+    with torch.cuda.graph(graph, stream=s):
         out = model(x).square().mean()
         out.backward()
     for seed in (1, 2):
