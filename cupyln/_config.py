@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 STAGE_MODES = ("auto", "always", "never")
 
 
+def _check_stage(config):
+    if config.stage not in STAGE_MODES:
+        raise ValueError(f"stage must be one of {STAGE_MODES}, got {config.stage!r}")
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """Forward planner choices."""
@@ -53,9 +58,7 @@ class FwdConfig:
     # f16: 10% faster); 8 warps spill and lose.
     row_npt_warps: int = 4
 
-    def __post_init__(self):
-        if self.stage not in STAGE_MODES:
-            raise ValueError(f"stage must be one of {STAGE_MODES}, got {self.stage!r}")
+    __post_init__ = _check_stage
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,7 @@ class BwdConfig:
     cluster_tiles: int = 8
     cluster_npt: int = 2
 
-    def __post_init__(self):
-        if self.stage not in STAGE_MODES:
-            raise ValueError(f"stage must be one of {STAGE_MODES}, got {self.stage!r}")
+    __post_init__ = _check_stage
 
 
 @dataclass(frozen=True)
