@@ -113,7 +113,7 @@ class _FakeKernel:
 _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
-def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT):
+def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name."""
@@ -122,7 +122,8 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT):
     from cupyln._dtypes import BFLOAT16
 
     dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
-    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, True, clusters)
+    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, not hip, clusters and not hip,
+                            hip)
     built = {}
 
     def kernels(spec, p, text=None):
@@ -224,13 +225,14 @@ def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
-       st.integers(1, 1 << 17), WARPS, st.booleans())
-def test_every_kernel_a_plan_builds_is_in_the_offline_list(dt, M, N, warp, clusters):
+       st.integers(1, 1 << 17), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+def test_every_kernel_a_plan_builds_is_in_the_offline_list(dt, M, N, warp, target):
     """The modules the default plans compile hold only kernels that the offline compile tests
-    build (all_kernel_names), for CUDA devices with and without clusters."""
-    names = _plan.all_kernel_names(warp)
+    build (all_kernel_names), for CUDA devices with and without clusters and for ROCm."""
+    hip = target == "hip"
+    names = _plan.all_kernel_names(warp, hip=hip)
     for pass_ in ("fwd", "bwd"):
-        _, built = _plan_without_gpu(pass_, dt, M, N, warp, clusters)
+        _, built = _plan_without_gpu(pass_, dt, M, N, warp, target == "sm_90", hip=hip)
         assert set(built.values()) <= names
 
 
