@@ -85,7 +85,7 @@ def _check_dtype(name, a):
         raise TypeError(f"{name} has dtype {a.dtype}; expected {SUPPORTED_NAMES}")
 
 
-def _checkparam_dtype(name, p, x_dtype):
+def _check_param_dtype(name, p, x_dtype):
     if p.dtype != x_dtype and p.dtype != FLOAT32:
         raise TypeError(
             f"{name} has dtype {p.dtype}; expected x's dtype ({x_dtype}) or float32"
@@ -198,7 +198,7 @@ def _check_bwd(dy, x, gamma, stats):
         raise ValueError("x must have at least one axis, got a 0-d array")
     k = _check_stats(x, stats)
     if gamma is not None:
-        _checkparam_dtype("gamma", gamma, x.dtype)
+        _check_param_dtype("gamma", gamma, x.dtype)
         if tuple(gamma.shape) != tuple(x.shape[x.ndim - k :]):
             raise ValueError(
                 f"gamma has shape {tuple(gamma.shape)}; expected the normalized shape "
@@ -305,7 +305,7 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config):
     _check_dtype("x", x)
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is not None:
-            _checkparam_dtype(name, p, x.dtype)
+            _check_param_dtype(name, p, x.dtype)
     eps = _check_eps(eps)
     config = _check_config(config)
     k = _norm_ndim(x, gamma, beta, normalized_shape)
