@@ -67,3 +67,32 @@ def test_data_parallel_example_matches_single_gpu():
     import data_parallel
 
     assert data_parallel.main(M=2048, N=1024) <= 1e-4
+
+
+def test_ddp_with_cupyln_modules_gives_the_gradients_of_one_gpu(tmp_path):
+    """cupyln.torch's modules under DistributedDataParallel (NCCL, one process per GPU, two
+    GPUs): the all-reduced gradients after one step equal those of the whole batch on one GPU
+    (the mean of the shards' losses is the whole batch's loss)."""
+    torch = pytest.importorskip("torch")
+    import socket
+    import subprocess
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import ddp_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "grads.pt"
+    worker = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", str(port), str(out)])
+             for r in range(2)]
+    assert all(p.wait(timeout=600) == 0 for p in procs)
+    got = torch.load(out)
+    net = ddp_worker.model().cuda(0)
+    x, target = (t.cuda(0) for t in ddp_worker.batch())
+    torch.nn.functional.mse_loss(net(x), target).backward()
+    for name, p in net.named_parameters():
+        want = p.grad.cpu()
+        err = float((got[name] - want).abs().max() / want.abs().max())
+        assert err <= 1e-5, (name, err)
