@@ -40,6 +40,8 @@ def info():
         import cupy
     except ImportError as e:
         print(f"cupy: not installed ({e}); only NumPy arrays are accepted")
+        print("compile cache: none (no CuPy)")
+        print("device: none (no CuPy)")
         return 0
     rt = cupy.cuda.runtime
     platform = "ROCm/HIP" if rt.is_hip else "CUDA"
