@@ -8,10 +8,10 @@
 Under ``torch.compile`` the calls are ``torch.library`` custom ops (``cupyln::layer_norm_fwd``
 and friends) with fake implementations and registered autograd, so ``fullgraph=True`` traces
 them; in eager mode the same functions run as a ``torch.autograd.Function``, without the custom
-op's dispatch cost. CUDA tensors go to the kernels without a copy (DLPack,
-bfloat16 included), on torch's current stream of the tensor's device, into outputs allocated
-by torch (its caching allocator and CUDA graph pools hold them); the forward's mean/rstd are
-saved for the backward. CPU tensors run cupyln's NumPy path (the float64 reference, rounded to
+op's dispatch cost. CUDA tensors go to the kernels without a copy (their memory wrapped as CuPy
+arrays, bfloat16 included), on torch's current stream of the tensor's device, into outputs
+allocated by torch (its caching allocator holds them); the forward's mean/rstd are saved for
+the backward. CPU tensors run cupyln's NumPy path (the float64 reference, rounded to
 the tensor's dtype): the same results, for tests and CPU-only machines, not for speed.
 
 The backward is deterministic when the module or call asks for it (``deterministic=True``) or
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from . import api
-from ._dtypes import BFLOAT16
+from ._dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 
 Tensor = torch.Tensor
 
@@ -35,8 +35,8 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------- tensors <-> arrays
 
 
-_DTYPES = {torch.float16: "float16", torch.bfloat16: BFLOAT16, torch.float32: "float32",
-           torch.float64: "float64"}
+_DTYPES = {torch.float16: FLOAT16, torch.bfloat16: BFLOAT16, torch.float32: FLOAT32,
+           torch.float64: FLOAT64}
 
 
 def _array(t):
@@ -46,8 +46,9 @@ def _array(t):
     if t is None:
         return None
     dtype = _DTYPES.get(t.dtype)
-    if dtype is None:  # not a dtype of the contract: the API names it
-        return t.detach().cpu().numpy()
+    if dtype is None:
+        raise TypeError(f"cupyln.torch takes float16, bfloat16, float32 and float64 tensors, "
+                        f"got {t.dtype}")
     if t.is_cuda:
         return _cuda_array(t, dtype)
     t = t.detach()
@@ -112,8 +113,9 @@ def _like(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _ln_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None, normalized_shape: list[int],
-            eps: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _ln_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                 normalized_shape: list[int], eps: float,
+                 deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic)
     _run(x.device, api.layer_norm_fwd, x, weight, bias, eps=eps,
          normalized_shape=tuple(normalized_shape), out=(y, mean, rstd))
@@ -126,7 +128,7 @@ def _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic):
 
 
 def _rms_fwd_impl(x: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
-             deterministic: bool) -> tuple[Tensor, Tensor]:
+                  deterministic: bool) -> tuple[Tensor, Tensor]:
     y, rstd = _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic)
     _run(x.device, api.rms_norm_fwd, x, weight, eps=eps,
          normalized_shape=tuple(normalized_shape), out=(y, rstd))
@@ -151,8 +153,8 @@ def _filled(grads, x):
 
 
 def _ln_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
-            need_dx: bool, need_dweight: bool, need_dbias: bool,
-            deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 need_dx: bool, need_dweight: bool, need_dbias: bool,
+                 deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None, need_dbias)
     grads = _grads(x, weight, mean, need)
     if any(need):
@@ -167,7 +169,7 @@ def _ln_bwd_fake(dy, x, weight, mean, rstd, need_dx, need_dweight, need_dbias, d
 
 
 def _rms_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, need_dx: bool,
-             need_dweight: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+                  need_dweight: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None)
     grads = _grads(x, weight, rstd, need)
     if any(need):

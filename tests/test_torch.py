@@ -240,3 +240,8 @@ def test_training_loss_curves_agree_with_torch(norm):
     assert ours[-1] < 0.9 * ours[0] and ref[-1] < 0.9 * ref[0]
     worst = max(abs(a - b) for a, b in zip(ours, ref, strict=True))
     assert worst <= 0.02 * ref[0], worst
+
+
+def test_unsupported_tensor_dtype_is_named():
+    with pytest.raises(TypeError, match="got torch.int32"):
+        ct.layer_norm(torch.ones(2, 4, dtype=torch.int32), 4)
