@@ -263,10 +263,11 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
     if not any(want):
         return None, None, None
     wdtype = param_dtype(gamma, x.dtype)
-    if kernel_param_dtype(x.dtype, wdtype) != wdtype:
-        return _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out, config)
     dev = x.data.device_id
     with _on_device(dev):
+        if kernel_param_dtype(x.dtype, wdtype) != wdtype:
+            return _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out,
+                                     config)
         norm_shape = x.shape[x.ndim - k :]
         M = math.prod(x.shape[: x.ndim - k])
         N = math.prod(norm_shape)
@@ -333,6 +334,7 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
     plans = 0
     for M, N, dtype, op in _progress(jobs, progress, "cupyln warmup"):
         wdtype = dtype if param_dtype is None else np.dtype(param_dtype)
+        wdtype = kernel_param_dtype(dtype, wdtype)  # what the calls will launch
         vec = vec_width(dtype, N, (N,), [])
         for plan in (_plan.plan_fwd, _plan.plan_bwd):
             plan(dev, config, dtype, wdtype, op == "layernorm", max(M, 1), N, vec)
