@@ -21,7 +21,6 @@ bits between runs.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import torch
@@ -272,9 +271,8 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def _shape(normalized_shape):
-    if isinstance(normalized_shape, numbers.Integral):
-        return [int(normalized_shape)]
-    return [int(s) for s in normalized_shape]
+    """normalized_shape as the ops' list of ints, checked as the array API checks it."""
+    return list(api._shape_arg(normalized_shape))
 
 
 def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
