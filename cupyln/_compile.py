@@ -38,6 +38,7 @@ class Spec(NamedTuple):
     tpr: int = 0  # forward row kernel: threads per row fixed at compile time
     row: bool = False  # forward: rows of one chunk of tpr threads (norm_fwd_row alone)
     hip: bool = False  # ROCm: no staged (cp.async) or cluster kernels
+    hdtype: np.dtype | None = None  # forward: the fused residual add's h (its kernels alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -77,6 +78,10 @@ class Spec(NamedTuple):
 
     def _fwd_names(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
+        if self.hdtype is not None:  # the fused residual add: direct rows, or chunks
+            a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"
+            return {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
+                    "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
         if self.row:  # the row kernel: one chunk, threads fixed
             row = f"norm_fwd_row<{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}, {self.tpr}"
             npt = f", {self.npt}" if self.npt > 1 else ""
@@ -107,7 +112,8 @@ class Spec(NamedTuple):
         return (
             f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
-            + (f", tpr={self.tpr}" if self.tpr else "") + (", row]" if self.row else "]")
+            + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
+            + (f", h={self.hdtype}]" if self.hdtype is not None else "]")
         )
 
 

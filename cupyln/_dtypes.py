@@ -42,3 +42,15 @@ def vec_options(dtype):
         out.append(v)
         v //= 2
     return out
+
+
+def h_dtypes(x_dtype):
+    """dtypes of the fused residual add's h for rows of ``x_dtype``: x's, or float32 for 16-bit
+    rows (a residual stream kept in float32)."""
+    return (x_dtype, FLOAT32) if x_dtype.itemsize == 2 else (x_dtype,)
+
+
+def add_vec(dtype, vec):
+    """The vector width the fused residual add runs at where ``vec`` would run otherwise: its
+    kernels are built for 16-byte vectors and single elements only."""
+    return vec if vec == 16 // dtype.itemsize else 1

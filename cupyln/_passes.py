@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _plan
 from ._config import DEFAULT
-from ._dtypes import ACC_DTYPES, FLOAT32, kernel_param_dtype, param_dtype
+from ._dtypes import ACC_DTYPES, FLOAT32, add_vec, kernel_param_dtype, param_dtype
 from ._layout import Extents, Layout, fill, flat, ptr, rows, vec_width
 
 _get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
@@ -47,21 +47,28 @@ class _on_device:
 
 
 class HotFwd:
-    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "is_ln", "ext")
+    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "hmask",
+                 "is_ln", "ext", "add", "ldr")
 
-    def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps):
+    def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, woff=0.0,
+                 ldr=0):
+        hdtype = plan.spec.hdtype
+        self.add = hdtype is not None  # the fused residual add: h after the statistics
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+        parts += [(x_shape, hdtype)] if self.add else []
         self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
         self.layout = Layout([p for i, p in enumerate(parts)
                                if self.given is None or not self.given[i]])
-        self.consts = (ldx, M, N, eps)
+        self.consts = (ldx, M, N, eps, woff)
         self.ext = Extents()
         v = plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * plan.spec.wdtype.itemsize - 1
+        self.hmask = v * hdtype.itemsize - 1 if self.add else 0
+        self.ldr = ldr
 
-    def __call__(self, x, gamma, beta, out):
+    def __call__(self, x, gamma, beta, out, residual=None):
         if _get_device() != self.dev:
             return None
         xp = x.data.ptr
@@ -70,25 +77,33 @@ class HotFwd:
         outs = self.layout.make()[0]
         if self.given:
             outs = fill(out, outs)
-        y, rstd = outs[0], outs[-1]
+        y, rstd = outs[0], outs[2 if self.is_ln else 1]
         mean = outs[1] if self.is_ln else None
         yp, mp, rp = y.data.ptr, 0 if mean is None else mean.data.ptr, rstd.data.ptr
         if (xp | yp) & self.xmask or (gp | bp) & self.wmask:
             return None
-        if self.given and self.ext.overlap(out, (x, gamma, beta), (xp, gp, bp, *map(ptr, out))):
+        ins, ptrs = (x, gamma, beta), (xp, gp, bp)
+        add = ()
+        if self.add:
+            h, resp = outs[-1], residual.data.ptr
+            if (resp | h.data.ptr) & self.hmask:
+                return None
+            ins, ptrs = ins + (residual,), ptrs + (resp,)
+            add = (resp, self.ldr, h.data.ptr)
+        if self.given and self.ext.overlap(out, ins, (*ptrs, *map(ptr, out))):
             return None
-        ldx, M, N, eps = self.consts
-        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps)
-        return (y, mean, rstd) if self.is_ln else (y, rstd)
+        self.launch(_current_stream().ptr, xp, *self.consts[:1], gp, bp, yp, mp, rp,
+                    *self.consts[1:], *add)
+        return tuple(outs)
 
 
 class HotBwd:
     __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
                  "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
-                 "partial", "scratch_only")
+                 "partial", "scratch_only", "ldres")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
-                 ldx, lddy, M, N):
+                 ldx, lddy, M, N, woff=0.0, ldres=None):
         acc = ACC_DTYPES[plan.spec.dtype]
         parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
         self.dev, self.want = dev, want
@@ -118,13 +133,14 @@ class HotBwd:
         offs = iter(self.layout.scratch)
         self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
         self.scratch_only = not new and self.layout.nbytes > 0
-        self.consts = (ldx, lddy, M, N, P, own)
+        self.consts = (ldx, lddy, M, N, P, own, woff)
+        self.ldres = ldres  # the fused add's dresidual: its row stride (None: no dresidual)
         self.ext = Extents()
         v = plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * wdtype.itemsize - 1
 
-    def __call__(self, dy, x, gamma, mean, rstd, out):
+    def __call__(self, dy, x, gamma, mean, rstd, out, dres=None):
         if _get_device() != self.dev:
             return None
         new, mem = self.layout.make()
@@ -134,14 +150,14 @@ class HotBwd:
         dgamma = (next(it) if given[1] is None else given[1]) if want[1] else None
         dbeta = (next(it) if given[2] is None else given[2]) if want[2] else None
         dyp, xp, gp = dy.data.ptr, x.data.ptr, 0 if gamma is None else gamma.data.ptr
-        dxp, dgp, dbp = ptr(dx), ptr(dgamma), ptr(dbeta)
-        if (dyp | xp | dxp) & self.xmask or gp & self.wmask:
+        dxp, dgp, dbp, drp = ptr(dx), ptr(dgamma), ptr(dbeta), ptr(dres)
+        if (dyp | xp | dxp | drp) & self.xmask or gp & self.wmask:
             return None
         mp, rp = 0 if mean is None else mean.data.ptr, rstd.data.ptr
-        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd),
-                                           (dyp, xp, gp, mp, rp, *map(ptr, given))):
+        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd, dres),
+                                           (dyp, xp, gp, mp, rp, drp, *map(ptr, given))):
             return None
-        ldx, lddy, M, N, P, own = self.consts
+        ldx, lddy, M, N, P, own, woff = self.consts
         base = 0 if mem is None else mem.ptr
         rsp = 0 if self.rowsums is None else base + self.rowsums
         launch = self.launch
@@ -150,7 +166,7 @@ class HotBwd:
             # a replay writes to this scratch, and no output keeps it: it must outlive the call
             _CAPTURED.append(mem)
         if rsp:
-            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
+            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N, woff)
         pp = 0 if self.partial is None else base + self.partial
         cnt = ap = tk = 0
         if self.counted:
@@ -162,7 +178,7 @@ class HotBwd:
             if self.dynamic:  # the rows' ticket counter, after the last block's
                 tk = scratch + _TICKETS
         self.main(stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk, pp, M,
-                  N)
+                  N, drp, self.ldres or 0, woff)
         if pp and "reduce" in launch:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
@@ -227,38 +243,54 @@ def _kernel_params(p, x_dtype, gamma, beta):
     return p.astype(kernel_param_dtype(x_dtype, w), copy=False)
 
 
-def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAULT):
-    """The forward pass on validated CuPy arrays. ``remember(hot)`` is called with the prepared
-    pass when later calls of the same signature can use it as they are (no input copies)."""
+def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAULT,
+            residual=None, hdtype=None, woff=0.0):
+    """The forward pass on validated CuPy arrays (``residual``: the fused add, h in
+    ``hdtype``). ``remember(hot)`` is called with the prepared pass when later calls of the
+    same signature can use it as they are (no input copies)."""
     dev = x.data.device_id
     with _on_device(dev):
         lead = x.shape[: x.ndim - k]
         M = math.prod(lead)
         N = math.prod(x.shape[x.ndim - k :])
         if not M:
-            parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
-            outs = fill(out, Layout([p for p, o in zip(parts, out or (None,) * len(parts),
-                                                          strict=True) if o is None]).make()[0])
-            return tuple(outs) if is_ln else (outs[0], outs[-1])
+            return _empty_forward(x, lead, is_ln, hdtype, out)
         g2, b2 = (flat(_kernel_params(p, x.dtype, gamma, beta)) for p in (gamma, beta))
         xr, ldx = rows(x, k, N)
-        as_is = g2 is gamma and b2 is beta and xr is x
+        r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
+                                                          k, N)
+        as_is = g2 is gamma and b2 is beta and xr is x and r2 is residual
         ptrs = [(xr.data.ptr, x.itemsize)]
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, b2) if p is not None]
-        if out is not None and out[0] is not None:  # y (the statistics are not vectors)
-            ptrs.append((out[0].data.ptr, x.itemsize))
-        vec = vec_width(x.dtype, N, (ldx,), ptrs)
+        # y and h (the statistics are not vectors)
+        ptrs += [(o.data.ptr, o.itemsize) for o in (out or ())[:1] + (out or ())[-1:]
+                 if o is not None and o.ndim == x.ndim]
+        if r2 is not None:
+            ptrs.append((r2.data.ptr, r2.itemsize))
+        vec = vec_width(x.dtype, N, (ldx,) + ((ldr,) if r2 is not None else ()), ptrs)
+        if hdtype is not None:
+            vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
-        plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec)
-        hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps)
+        plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype)
+        hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, woff, ldr)
         if remember is not None and as_is:
             remember(hot)
-        return hot(xr, g2, b2, out)
+        return hot(xr, g2, b2, out, r2)
+
+
+def _empty_forward(x, lead, is_ln, hdtype, out):
+    """No rows: empty outputs, no kernel."""
+    parts = [(x.shape, x.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+    parts += [(x.shape, hdtype)] if hdtype is not None else []
+    given = out or (None,) * len(parts)
+    return tuple(fill(out, Layout([p for p, o in zip(parts, given, strict=True)
+                                   if o is None]).make()[0]))
 
 
 def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic,
-             out=None, remember=None, config=DEFAULT):
-    """The backward pass on validated CuPy arrays; ``remember`` as in :func:`forward`."""
+             out=None, remember=None, config=DEFAULT, dres=None, woff=0.0):
+    """The backward pass on validated CuPy arrays (``dres``: the fused add's gradient from the
+    residual stream, added to dx); ``remember`` as in :func:`forward`."""
     want = (need_dx, need_dgamma, need_dbeta)
     if not any(want):
         return None, None, None
@@ -267,7 +299,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
     with _on_device(dev):
         if kernel_param_dtype(x.dtype, wdtype) != wdtype:
             return _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out,
-                                     config)
+                                     config, dres, woff)
         norm_shape = x.shape[x.ndim - k :]
         M = math.prod(x.shape[: x.ndim - k])
         N = math.prod(norm_shape)
@@ -278,19 +310,21 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         r2 = cp.ascontiguousarray(rstd)
         xr, ldx = rows(x, k, N)
         dyr, lddy = rows(dy, k, N)
-        as_is = g2 is gamma and m2 is mean and r2 is rstd and xr is x and dyr is dy
+        drr, ldres = (None, None) if dres is None else rows(dres, k, N)
+        as_is = (g2 is gamma and m2 is mean and r2 is rstd and xr is x and dyr is dy
+                 and drr is dres)
         ptrs = [(xr.data.ptr, x.itemsize), (dyr.data.ptr, x.itemsize)]
-        # vector accesses: x, dy, dx and gamma (dgamma/dbeta are written per element)
-        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0]) if p is not None]
-        vec = vec_width(x.dtype, N, (ldx, lddy), ptrs)
+        # vector accesses: x, dy, dx, dresidual and gamma (dgamma/dbeta are per element)
+        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
+        vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
         plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec)
         partials = deterministic or not config.bwd.atomic_flush
         dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
-                       dynamic, ldx, lddy, M, N)
+                       dynamic, ldx, lddy, M, N, woff, ldres)
         if remember is not None and as_is:
             remember(hot)
-        return hot(dyr, xr, g2, m2, r2, out)
+        return hot(dyr, xr, g2, m2, r2, out, drr)
 
 
 def _empty_backward(x_shape, norm_shape, dtype, wdtype, want, out):
@@ -307,12 +341,14 @@ def _empty_backward(x_shape, norm_shape, dtype, wdtype, want, out):
     return tuple(grads)
 
 
-def _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out, config):
+def _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out, config, dres,
+                      woff):
     """float64 rows with float32 gamma: the float64 kernels, gamma widened and dgamma/dbeta
     narrowed on the host (N-vectors: a pair of kernels fewer to build for a rare case)."""
     dx_out = None if out is None else out[0]
     dx, dg, db = backward(dy, x, gamma.astype(x.dtype), mean, rstd, k, *want, deterministic,
-                          None if dx_out is None else (dx_out, None, None), None, config)
+                          None if dx_out is None else (dx_out, None, None), None, config, dres,
+                          woff)
     given = out or (None, None, None)
     return dx, *(_narrowed(g, o, gamma.dtype) for g, o in zip((dg, db), given[1:], strict=True))
 

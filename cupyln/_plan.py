@@ -15,7 +15,7 @@ from . import _compile, _driver
 from ._compile import Spec
 from ._config import DEFAULT, BwdConfig, Config, FwdConfig
 from ._driver import Launcher
-from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, vec_options
+from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, h_dtypes, vec_options
 
 PLAN_CACHE_SIZE = 1024  # signatures kept per pass; a loop over many sequence lengths evicts
 
@@ -131,6 +131,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
                 for n in (1, 2, 4):
                     if n <= fc.npt:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
+                        if v in (vec_options(t)[0], 1):  # the fused add's widths (add_vec)
+                            for h in h_dtypes(t):
+                                names.update(Spec(t, w, ln, v, n, warp, hip=hip, hdtype=h)
+                                             .names("fwd").values())
                     if v * t.itemsize == 16:
                         for tpr in row_kernel_widths(fc, warp, n):
                             spec = Spec(t, w, ln, v, n, warp, tpr=tpr, row=True, hip=hip)
@@ -228,9 +232,10 @@ class Plan:
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
-_FWD_ARGS = "pipppppiiX"
-_BWD_ARGS = "pipipppppppppppii"
-_ROWSUMS_ARGS = "pipippppii"
+_FWD_ARGS = "pipppppiiXX"
+_FWD_ADD_ARGS = _FWD_ARGS + "pip"  # then the residual, its row stride, h
+_BWD_ARGS = "pipipppppppppppiipiX"
+_ROWSUMS_ARGS = "pipippppiiX"
 _REDUCE_ARGS = "piipp"
 
 
@@ -263,10 +268,13 @@ def _takes_row_kernel(cfg, info, g, dtype, M, N, vec):
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
+def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None):
+    """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec)."""
     info, cfg = device_info(dev_id), config.fwd
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
+    if hdtype is not None:
+        return _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid)
     rg = _takes_row_kernel(cfg, info, g, dtype, M, N, vec)
     if rg is not None:
         g, grid = rg, (cdiv(M, rg.rpb),)
@@ -289,6 +297,17 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
         main += "_full"
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
+    """The fused residual add's forward: the general geometry on direct rows (one chunk in
+    registers, or chunks), none of the row kernel, staging or early parameters."""
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype)
+    kerns = _compile.kernels(spec, "fwd", config.source)
+    main = "fwd_add" if g.fits else "fwd_add_chunked"
+    block = (g.tpr, g.rpb)
+    launch = {"fwd": Launcher(kerns[main], grid, block, 0, _kinds(_FWD_ADD_ARGS, dtype))}
+    return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 
 def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec):
@@ -356,15 +375,16 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
     if not g.fits and not cluster:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (cfg.rowsums_tpr, 1), 0,
-                                     _ROWSUMS_ARGS)
+                                     _kinds(_ROWSUMS_ARGS, dtype))
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:
         launch["reduce"] = Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
-    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
+    args = _kinds(_BWD_ARGS, dtype)
+    launch["bwd"] = Launcher(kerns[main], grid, block, smem, args)
     if dyn:
-        launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
+        launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, args)
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -387,7 +407,7 @@ def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):
     block = (g.tpr, rpb)
     if _driver.max_active_clusters(kern, (cfg.csum_blocks, 1), block, smem) < 1:
         return None
-    launch = {"bwd": Launcher(kern, (cfg.csum_blocks,), block, smem, _BWD_ARGS)}
+    launch = {"bwd": Launcher(kern, (cfg.csum_blocks,), block, smem, _kinds(_BWD_ARGS, dtype))}
     return Plan(spec, "bwd_csum", kern, (cfg.csum_blocks, 1), block, smem, launch)
 
 

@@ -103,6 +103,51 @@ def _check_eps(eps):
     return eps
 
 
+def _check_offset(weight_offset, gamma):
+    """weight_offset as a float: finite, and nonzero only with a gamma to offset."""
+    if type(weight_offset) is float and weight_offset == 0.0:  # the common case, fast
+        return 0.0
+    if isinstance(weight_offset, (bool, np.bool_)) or not isinstance(weight_offset,
+                                                                      numbers.Real):
+        raise TypeError(f"weight_offset must be a real number, got {type(weight_offset).__name__}")
+    v = float(weight_offset)
+    if not math.isfinite(v):
+        raise ValueError(f"weight_offset must be finite, got {v}")
+    if v != 0.0 and gamma is None:
+        raise ValueError(f"weight_offset={v} needs gamma: the norm scales by gamma + "
+                         "weight_offset")
+    return v
+
+
+def _h_dtype(x, residual, residual_dtype):
+    """The dtype of h = x + residual (None without a residual), after checking residual and
+    residual_dtype: h is x's dtype or, for 16-bit x, float32; residual is x's or h's dtype."""
+    if residual is None:
+        if residual_dtype is not None:
+            raise ValueError("residual_dtype was given but residual is None")
+        return None
+    if residual_dtype is None:
+        hd = x.dtype
+    else:
+        try:
+            hd = np.dtype(residual_dtype)
+        except TypeError as e:
+            raise TypeError(f"residual_dtype must be a dtype, got {residual_dtype!r}") from e
+    allowed = (x.dtype, FLOAT32) if x.dtype.itemsize == 2 else (x.dtype,)
+    if hd not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"residual_dtype is {hd}; expected {names} (x's dtype, or float32 for "
+                        "16-bit x)")
+    _check_dtype("residual", residual)
+    if residual.dtype not in (x.dtype, hd):
+        raise TypeError(f"residual has dtype {residual.dtype}; expected x's dtype ({x.dtype})"
+                        + (f" or residual_dtype ({hd})" if hd != x.dtype else ""))
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}; expected x's shape "
+                         f"{tuple(x.shape)}")
+    return hd
+
+
 def _check_config(config):
     if config is None:
         return DEFAULT
@@ -184,16 +229,23 @@ def _check_stats(x, stats):
     return x.ndim - n
 
 
-def _check_bwd(dy, x, gamma, stats):
+def _check_bwd(dy, x, gamma, stats, dresidual=None):
     for name, a in [("dy", dy), ("x", x)] + stats:
         if a is None:
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got None")
-    kind = _kind([("dy", dy), ("x", x), ("gamma", gamma)] + stats)
+    kind = _kind([("dy", dy), ("x", x), ("gamma", gamma), ("dresidual", dresidual)] + stats)
     _check_dtype("x", x)
-    if dy.dtype != x.dtype:
+    if dy.dtype != x.dtype:  # h's dtype where the forward had a residual (cast dy to it)
         raise TypeError(f"dy has dtype {dy.dtype}; expected x's dtype {x.dtype}")
     if dy.shape != x.shape:
         raise ValueError(f"dy has shape {tuple(dy.shape)}; expected x's shape {tuple(x.shape)}")
+    if dresidual is not None:
+        if dresidual.dtype != x.dtype:
+            raise TypeError(f"dresidual has dtype {dresidual.dtype}; expected x's (h's) dtype "
+                            f"{x.dtype}")
+        if dresidual.shape != x.shape:
+            raise ValueError(f"dresidual has shape {tuple(dresidual.shape)}; expected x's "
+                             f"shape {tuple(x.shape)}")
     if x.ndim == 0:
         raise ValueError("x must have at least one axis, got a 0-d array")
     k = _check_stats(x, stats)
@@ -205,7 +257,8 @@ def _check_bwd(dy, x, gamma, stats):
                 f"{tuple(x.shape[x.ndim - k:])} (x's shape after mean/rstd's)"
             )
     if kind == "cupy":
-        _check_devices([("dy", dy), ("x", x), ("gamma", gamma)] + stats)
+        _check_devices([("dy", dy), ("x", x), ("gamma", gamma), ("dresidual", dresidual)]
+                       + stats)
     return kind, k
 
 
@@ -287,26 +340,32 @@ def _remember(key):
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config):
+def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=None,
+         residual_dtype=None, weight_offset=0.0):
     key = None
-    if type(x) is _CUPY_ARRAY and type(eps) is float and (
-            normalized_shape is None or type(normalized_shape) is tuple):
-        head = (is_ln, eps, normalized_shape, config)
-        key = _key(head if normalized_shape or config else head[:2], (x, gamma, beta), out)
+    if type(x) is _CUPY_ARRAY and type(eps) is float and type(weight_offset) is float and (
+            normalized_shape is None or type(normalized_shape) is tuple) and (
+            residual_dtype is None or isinstance(residual_dtype, (np.dtype, type, str))):
+        head = (is_ln, eps, normalized_shape, config, residual_dtype, weight_offset)
+        plain = normalized_shape is None and config is None and residual_dtype is None \
+            and weight_offset == 0.0
+        key = _key(head[:2] if plain else head, (x, gamma, beta, residual), out)
         hot = _HOT.get(key)
         if hot is not None:
-            res = hot(x, gamma, beta, out)
+            res = hot(x, gamma, beta, out, residual)
             if res is not None:
                 return res
     if x is None:
         raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
-    inputs = [("x", x), ("gamma", gamma), ("beta", beta)]
+    inputs = [("x", x), ("gamma", gamma), ("beta", beta), ("residual", residual)]
     kind = _kind(inputs)
     _check_dtype("x", x)
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is not None:
             _check_param_dtype(name, p, x.dtype)
     eps = _check_eps(eps)
+    woff = _check_offset(weight_offset, gamma)
+    h_dtype = _h_dtype(x, residual, residual_dtype)
     config = _check_config(config)
     k = _norm_ndim(x, gamma, beta, normalized_shape)
     dev = None
@@ -321,20 +380,23 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config):
         lead = tuple(x.shape[: x.ndim - k])
         want = [("y", x.shape, x.dtype, True)] + [("mean", lead, FLOAT32, True)] * is_ln
         want.append(("rstd", lead, FLOAT32, True))
+        if h_dtype is not None:
+            want.append(("h", x.shape, h_dtype, True))
         out = _check_out(out, want, kind, dev, inputs)
     if kind == "cupy":
         from . import _passes
 
-        return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key), config)
-    res = _numpy_path.forward(x, gamma, beta, eps, k, is_ln, out)
-    return res if is_ln else (res[0], res[-1])
+        return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key), config,
+                               residual, h_dtype, woff)
+    return _numpy_path.forward(x, gamma, beta, eps, k, is_ln, out, residual, h_dtype, woff)
 
 
 def layer_norm_fwd(
     x: Array, gamma: Array | None = None, beta: Array | None = None, eps: float = 1e-5, *,
-    normalized_shape: int | Sequence[int] | None = None, out: Outputs = None,
+    normalized_shape: int | Sequence[int] | None = None, residual: Array | None = None,
+    residual_dtype: Any = None, weight_offset: float = 0.0, out: Outputs = None,
     config: Config | None = None,
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, ...]:
     """LayerNorm forward: ``y = (x - mean) * rstd * gamma + beta`` over the normalized axes.
 
     Parameters
@@ -350,7 +412,16 @@ def layer_norm_fwd(
         ``rstd = inf`` and ``y = nan``.
     normalized_shape : int or tuple of ints, optional
         The normalized axes' shape when gamma and beta are None (torch-style).
-    out : tuple (y, mean, rstd), optional
+    residual : array, optional
+        Fused residual add: the norm is of ``h = x + residual``, which the kernel also stores
+        and returns. x's shape; x's dtype or ``residual_dtype``.
+    residual_dtype : dtype, optional
+        h's dtype: x's (the default) or, for float16/bfloat16 x, float32 (a residual stream
+        kept in float32). Only with ``residual``.
+    weight_offset : float
+        The norm scales by ``gamma + weight_offset`` (computed in float32; 1.0 for Gemma-style
+        weights stored around zero). Nonzero only with gamma.
+    out : tuple (y, mean, rstd) or (y, mean, rstd, h), optional
         Preallocated, writable, C-contiguous arrays of the outputs' shapes and dtypes (an entry
         may be None), overlapping no input and no other output.
     config : cupyln.Config, optional
@@ -362,14 +433,19 @@ def layer_norm_fwd(
         x's shape and dtype.
     mean, rstd : array
         float32, of x's leading shape (``rstd = 1 / sqrt(var + eps)``, var biased).
+    h : array
+        Only with ``residual``: ``x + residual`` in ``residual_dtype``, C-contiguous. Pass it
+        to the backward in place of x.
 
     Raises
     ------
     TypeError
-        A non-array, an unsupported dtype, NumPy and CuPy arrays mixed, a bad ``eps`` type.
+        A non-array, an unsupported dtype (of x, gamma, beta, residual or residual_dtype),
+        NumPy and CuPy arrays mixed, a bad ``eps`` or ``weight_offset`` type.
     ValueError
-        Shapes that do not match, a negative or non-finite ``eps``, arrays on different
-        devices, an ``out=`` entry that overlaps an input or is read-only.
+        Shapes that do not match, a negative or non-finite ``eps``, a non-finite
+        ``weight_offset`` or one without gamma, ``residual_dtype`` without ``residual``, arrays
+        on different devices, an ``out=`` entry that overlaps an input or is read-only.
 
     Examples
     --------
@@ -378,18 +454,24 @@ def layer_norm_fwd(
     >>> y, mean, rstd = cupyln.layer_norm_fwd(x)
     >>> mean, np.round(y, 3)
     (array([2.5], dtype=float32), array([[-1.342, -0.447,  0.447,  1.342]], dtype=float32))
+    >>> y, mean, rstd, h = cupyln.layer_norm_fwd(x, residual=np.ones_like(x))
+    >>> h, mean
+    (array([[2., 3., 4., 5.]], dtype=float32), array([3.5], dtype=float32))
     """
-    return _fwd(x, gamma, beta, eps, normalized_shape, True, out, config)
+    return _fwd(x, gamma, beta, eps, normalized_shape, True, out, config, residual,
+                residual_dtype, weight_offset)
 
 
 def rms_norm_fwd(
     x: Array, gamma: Array | None = None, eps: float = 1e-6, *,
-    normalized_shape: int | Sequence[int] | None = None, out: Outputs = None,
+    normalized_shape: int | Sequence[int] | None = None, residual: Array | None = None,
+    residual_dtype: Any = None, weight_offset: float = 0.0, out: Outputs = None,
     config: Config | None = None,
-) -> tuple[Array, Array]:
+) -> tuple[Array, ...]:
     """RMSNorm forward: ``y = x * rstd * gamma`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``.
 
-    Parameters are those of :func:`layer_norm_fwd` without beta; ``out=(y, rstd)``.
+    Parameters are those of :func:`layer_norm_fwd` without beta; ``out=(y, rstd)`` or
+    ``(y, rstd, h)``.
 
     Returns
     -------
@@ -397,6 +479,8 @@ def rms_norm_fwd(
         x's shape and dtype.
     rstd : array
         float32, of x's leading shape.
+    h : array
+        Only with ``residual``, as in :func:`layer_norm_fwd`.
 
     Raises
     ------
@@ -409,56 +493,66 @@ def rms_norm_fwd(
     >>> y, rstd = cupyln.rms_norm_fwd(np.array([[3.0, 4.0]]), eps=0.0)
     >>> y, rstd
     (array([[0.84852814, 1.13137085]]), array([0.28284273], dtype=float32))
+    >>> w = np.zeros(2)  # Gemma-style: the norm scales by 1 + w
+    >>> y, rstd = cupyln.rms_norm_fwd(np.array([[3.0, 4.0]]), w, eps=0.0, weight_offset=1.0)
+    >>> y
+    array([[0.84852814, 1.13137085]])
     """
-    return _fwd(x, gamma, None, eps, normalized_shape, False, out, config)
+    return _fwd(x, gamma, None, eps, normalized_shape, False, out, config, residual,
+                residual_dtype, weight_offset)
 
 
 # ----------------------------------------------------------------------------- backward
 
 
 def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out,
-         config):
+         config, dresidual=None, weight_offset=0.0):
     key = None
     flags = (need_dx, need_dgamma, need_dbeta, deterministic)
-    if config is not None:
-        flags += (config,)
+    if config is not None or weight_offset != 0.0:
+        flags += (config, weight_offset)
     if type(x) is _CUPY_ARRAY and type(need_dx) is type(need_dgamma) is type(need_dbeta) is type(
         deterministic
-    ) is bool:
-        key = _key(flags, (dy, x, gamma, mean, rstd), out)
+    ) is bool and type(weight_offset) is float:
+        key = _key(flags, (dy, x, gamma, mean, rstd, dresidual), out)
         hot = _HOT.get(key)
         if hot is not None:
-            res = hot(dy, x, gamma, mean, rstd, out)
+            res = hot(dy, x, gamma, mean, rstd, out, dresidual)
             if res is not None:
                 return res
     stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
-    kind, k = _check_bwd(dy, x, gamma, stats)
+    kind, k = _check_bwd(dy, x, gamma, stats, dresidual)
     need_dx = _check_flag("need_dx", need_dx)
     need_dgamma = _check_flag("need_dgamma", need_dgamma) and gamma is not None
     need_dbeta = _check_flag("need_dbeta", need_dbeta)
     deterministic = _check_flag("deterministic", deterministic)
+    woff = _check_offset(weight_offset, gamma)
+    if dresidual is not None and not need_dx:
+        raise ValueError("dresidual was given but need_dx is False: dresidual is added to dx")
     config = _check_config(config)
+    inputs = [("dy", dy), ("x", x), ("gamma", gamma), ("dresidual", dresidual)] + stats
     if out is not None:
         norm = tuple(x.shape[x.ndim - k :])
         pdt = param_dtype(gamma, x.dtype)
         want = [("dx", x.shape, x.dtype, need_dx), ("dgamma", norm, pdt, need_dgamma)]
         want += [("dbeta", norm, pdt, need_dbeta)] if mean is not None else []
         dev = x.data.device_id if kind == "cupy" else None
-        out = _check_out(out, want, kind, dev, [("dy", dy), ("x", x), ("gamma", gamma)] + stats)
+        out = _check_out(out, want, kind, dev, inputs)
         out = out + (None,) * (3 - len(out))  # RMSNorm: no dbeta
     if kind == "cupy":
         from . import _passes
 
         return _passes.backward(
             dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out,
-            _remember(key), config,
+            _remember(key), config, dresidual, woff,
         )
     return _numpy_path.backward(dy, x, gamma, mean, rstd, k,
-                                (need_dx, need_dgamma, need_dbeta), out)
+                                (need_dx, need_dgamma, need_dbeta), out, dresidual, woff)
 
 
 def layer_norm_bwd(
     dy: Array, x: Array, gamma: Array | None, mean: Array, rstd: Array, *,
+    dresidual: Array | None = None, weight_offset: float = 0.0,
     need_dx: bool = True, need_dgamma: bool = True, need_dbeta: bool = True,
     deterministic: bool = False, out: Outputs = None, config: Config | None = None,
 ) -> tuple[Array | None, Array | None, Array | None]:
@@ -467,11 +561,19 @@ def layer_norm_bwd(
     Parameters
     ----------
     dy, x : array
-        The gradient of y and the forward's input: one shape, one dtype.
+        The gradient of y and the forward's input (its ``h`` where the forward had a
+        residual): one shape, one dtype (with ``residual_dtype=float32``, dy in float32 too).
     gamma : array or None
         The forward's gamma (None: dgamma is None).
     mean, rstd : array
         float32, of the leading shape: they say which axes are normalized.
+    dresidual : array, optional
+        The gradient reaching h from the residual stream: x's shape and dtype, added to dx in
+        the same kernel (dx is then the gradient of both the forward's x and its residual).
+        Needs ``need_dx``.
+    weight_offset : float
+        The forward's ``weight_offset`` (dx uses ``gamma + weight_offset``; dgamma is the same
+        either way).
     need_dx, need_dgamma, need_dbeta : bool
         Outputs to compute; one not asked for is returned as None.
     deterministic : bool
@@ -485,7 +587,7 @@ def layer_norm_bwd(
     Returns
     -------
     dx : array or None
-        x's shape and dtype.
+        x's shape and dtype (plus ``dresidual`` where given).
     dgamma, dbeta : array or None
         The normalized shape, in gamma's dtype (x's when gamma is None); dbeta is computed
         whether or not beta was given.
@@ -493,11 +595,12 @@ def layer_norm_bwd(
     Raises
     ------
     TypeError
-        A non-array, an unsupported dtype, dy's dtype not x's, a non-bool flag, mean or rstd
-        not float32.
+        A non-array, an unsupported dtype, dy's or dresidual's dtype not x's, a non-bool flag,
+        a bad ``weight_offset`` type.
     ValueError
-        Shapes that do not match (mean/rstd not a leading part of x's shape), arrays on
-        different devices, a bad ``out=`` entry.
+        Shapes that do not match (mean/rstd not a leading part of x's shape), mean or rstd not
+        float32, arrays on different devices, a bad ``out=`` entry, ``dresidual`` without
+        ``need_dx``, ``weight_offset`` as in the forward.
 
     Examples
     --------
@@ -511,18 +614,18 @@ def layer_norm_bwd(
     if mean is None:
         raise TypeError("mean must be a numpy.ndarray or cupy.ndarray, got None")
     return _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out,
-                config)
+                config, dresidual, weight_offset)
 
 
 def rms_norm_bwd(
-    dy: Array, x: Array, gamma: Array | None, rstd: Array, *, need_dx: bool = True,
-    need_dgamma: bool = True, deterministic: bool = False, out: Outputs = None,
-    config: Config | None = None,
+    dy: Array, x: Array, gamma: Array | None, rstd: Array, *, dresidual: Array | None = None,
+    weight_offset: float = 0.0, need_dx: bool = True, need_dgamma: bool = True,
+    deterministic: bool = False, out: Outputs = None, config: Config | None = None,
 ) -> tuple[Array | None, Array | None]:
     """RMSNorm backward from the forward's saved ``rstd``.
 
-    Parameters, errors and determinism as in :func:`layer_norm_bwd`, without mean and dbeta;
-    ``out=(dx, dgamma)``.
+    Parameters (``dresidual`` and ``weight_offset`` included), errors and determinism as in
+    :func:`layer_norm_bwd`, without mean and dbeta; ``out=(dx, dgamma)``.
 
     Returns
     -------
@@ -541,7 +644,7 @@ def rms_norm_bwd(
     array([0.8485, 1.1314])
     """
     dx, dgamma, _ = _bwd(dy, x, gamma, None, rstd, need_dx, need_dgamma, False, deterministic,
-                         out, config)
+                         out, config, dresidual, weight_offset)
     return dx, dgamma
 
 

@@ -3,6 +3,10 @@
 Every function takes arrays of any supported dtype (float16, bfloat16, float32, float64),
 computes in float64 and returns float64 arrays. ``norm_ndim`` is the number of trailing axes
 that are normalized; the leading axes are rows. No validation here: the public API validates.
+
+The fused residual add is modelled as the kernels store it: ``h = x + residual`` rounded to
+``residual_dtype`` (x's dtype by default), and the norm is of that rounded ``h``.
+``weight_offset`` scales by ``gamma + weight_offset``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,15 @@ def _rows(a, norm_ndim):
     return np.asarray(a, dtype=np.float64).reshape(-1, n)
 
 
-def _param(p):
-    return None if p is None else np.asarray(p, dtype=np.float64).reshape(-1)
+def _param(p, offset=0.0):
+    return None if p is None else np.asarray(p, dtype=np.float64).reshape(-1) + offset
+
+
+def residual_add(x, residual, residual_dtype=None):
+    """``x + residual`` rounded to ``residual_dtype`` (x's dtype when None), as float64."""
+    h_dtype = x.dtype if residual_dtype is None else np.dtype(residual_dtype)
+    h = np.asarray(x, np.float64) + np.asarray(residual, np.float64)
+    return h.astype(h_dtype).astype(np.float64)
 
 
 def _default_ndim(gamma, beta, norm_ndim):
@@ -29,8 +40,13 @@ def _default_ndim(gamma, beta, norm_ndim):
     return 1
 
 
-def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, norm_ndim=None):
-    """Return ``(y, mean, rstd)`` in float64; mean/rstd have the leading shape of ``x``."""
+def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, norm_ndim=None, *, residual=None,
+                   residual_dtype=None, weight_offset=0.0):
+    """Return ``(y, mean, rstd)`` in float64, and ``h`` after them when ``residual`` is given;
+    mean/rstd have the leading shape of ``x``."""
+    if residual is not None:
+        h = residual_add(x, residual, residual_dtype)
+        return (*layer_norm_fwd(h, gamma, beta, eps, norm_ndim, weight_offset=weight_offset), h)
     k = _default_ndim(gamma, beta, norm_ndim)
     lead = x.shape[: x.ndim - k]
     x2 = _rows(x, k)
@@ -39,7 +55,7 @@ def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, norm_ndim=None):
     var = (xc * xc).mean(axis=1)  # biased, two-pass: never E[x^2] - E[x]^2
     rstd = 1.0 / np.sqrt(var + eps)
     y = xc * rstd[:, None]
-    g, b = _param(gamma), _param(beta)
+    g, b = _param(gamma, weight_offset), _param(beta)
     if g is not None:
         y = y * g
     if b is not None:
@@ -47,44 +63,51 @@ def layer_norm_fwd(x, gamma=None, beta=None, eps=1e-5, norm_ndim=None):
     return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
 
 
-def rms_norm_fwd(x, gamma=None, eps=1e-6, norm_ndim=None):
-    """Return ``(y, rstd)`` in float64."""
+def rms_norm_fwd(x, gamma=None, eps=1e-6, norm_ndim=None, *, residual=None,
+                 residual_dtype=None, weight_offset=0.0):
+    """Return ``(y, rstd)`` in float64, and ``h`` after them when ``residual`` is given."""
+    if residual is not None:
+        h = residual_add(x, residual, residual_dtype)
+        return (*rms_norm_fwd(h, gamma, eps, norm_ndim, weight_offset=weight_offset), h)
     k = _default_ndim(gamma, None, norm_ndim)
     lead = x.shape[: x.ndim - k]
     x2 = _rows(x, k)
     rstd = 1.0 / np.sqrt((x2 * x2).mean(axis=1) + eps)
     y = x2 * rstd[:, None]
-    g = _param(gamma)
+    g = _param(gamma, weight_offset)
     if g is not None:
         y = y * g
     return y.reshape(x.shape), rstd.reshape(lead)
 
 
-def _norm_bwd(dy, x, gamma, mean, rstd):
-    """Shared backward: ``mean=None`` means RMSNorm (no centering, no mean(g) term)."""
+def _norm_bwd(dy, x, gamma, mean, rstd, dresidual=None, weight_offset=0.0):
+    """Shared backward: ``mean=None`` means RMSNorm (no centering, no mean(g) term). ``x`` is
+    the forward's h where it had a residual; ``dresidual`` is added to dx."""
     k = x.ndim - rstd.ndim
     norm_shape = x.shape[x.ndim - k :]
     x2, dy2 = _rows(x, k), _rows(dy, k)
     r = np.asarray(rstd, dtype=np.float64).reshape(-1, 1)
     xc = x2 if mean is None else x2 - np.asarray(mean, dtype=np.float64).reshape(-1, 1)
     xhat = xc * r
-    gm = _param(gamma)
+    gm = _param(gamma, weight_offset)
     g = dy2 if gm is None else dy2 * gm
     inner = g - xhat * (g * xhat).mean(axis=1, keepdims=True)
     if mean is not None:
         inner = inner - g.mean(axis=1, keepdims=True)
     dx = r * inner
+    if dresidual is not None:
+        dx = dx + _rows(dresidual, k)
     dgamma = (dy2 * xhat).sum(axis=0).reshape(norm_shape)
     dbeta = dy2.sum(axis=0).reshape(norm_shape)
     return dx.reshape(x.shape), dgamma, dbeta
 
 
-def layer_norm_bwd(dy, x, gamma, mean, rstd):
+def layer_norm_bwd(dy, x, gamma, mean, rstd, *, dresidual=None, weight_offset=0.0):
     """Return ``(dx, dgamma, dbeta)`` in float64 (dgamma even when gamma is None)."""
-    return _norm_bwd(dy, x, gamma, mean, rstd)
+    return _norm_bwd(dy, x, gamma, mean, rstd, dresidual, weight_offset)
 
 
-def rms_norm_bwd(dy, x, gamma, rstd):
+def rms_norm_bwd(dy, x, gamma, rstd, *, dresidual=None, weight_offset=0.0):
     """Return ``(dx, dgamma)`` in float64."""
-    dx, dgamma, _ = _norm_bwd(dy, x, gamma, None, rstd)
+    dx, dgamma, _ = _norm_bwd(dy, x, gamma, None, rstd, dresidual, weight_offset)
     return dx, dgamma

@@ -4,6 +4,8 @@
     y = ct.layer_norm(x, (1024,), weight, bias)          # torch.nn.functional's signature
     norm = ct.LayerNorm(1024)                             # torch.nn.LayerNorm's arguments
     ct.replace_norms(model)                               # swap a model's norms in place
+    y, h = ct.add_rms_norm(x, residual, (1024,), weight)  # h = x + residual, y = norm(h)
+    norm = ct.RMSNorm(1024, weight_offset=1.0)            # Gemma: scale by (1 + weight)
 
 Under ``torch.compile`` the calls are ``torch.library`` custom ops (``cupyln::layer_norm_fwd``
 and friends) with fake implementations and registered autograd, so ``fullgraph=True`` traces
@@ -94,6 +96,7 @@ def _run(device, fn, *args, **kw):
 
 def _call(fn, args, kw):
     out = kw.pop("out")
+    kw = {k: _array(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     return fn(*map(_array, args), out=tuple(map(_array, out)), **kw)
 
 
@@ -113,29 +116,76 @@ def _like(x):
 
 
 def _ln_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                 normalized_shape: list[int], eps: float,
-                 deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 normalized_shape: list[int], eps: float, deterministic: bool,
+                 weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     y, mean, rstd = _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic)
     _run(x.device, api.layer_norm_fwd, x, weight, bias, eps=eps,
-         normalized_shape=tuple(normalized_shape), out=(y, mean, rstd))
+         normalized_shape=tuple(normalized_shape), weight_offset=weight_offset,
+         out=(y, mean, rstd))
     return y, mean, rstd
 
 
-def _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic):
+def _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic, weight_offset=0.0):
+    return _like(x), *_stats(x, normalized_shape, 2)
+
+
+def _stats(x, normalized_shape, n):
     lead = _lead(x, normalized_shape)
-    return _like(x), x.new_empty(lead, dtype=torch.float32), x.new_empty(lead, dtype=torch.float32)
+    return [x.new_empty(lead, dtype=torch.float32) for _ in range(n)]
 
 
 def _rms_fwd_impl(x: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
-                  deterministic: bool) -> tuple[Tensor, Tensor]:
+                  deterministic: bool, weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
     y, rstd = _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic)
     _run(x.device, api.rms_norm_fwd, x, weight, eps=eps,
-         normalized_shape=tuple(normalized_shape), out=(y, rstd))
+         normalized_shape=tuple(normalized_shape), weight_offset=weight_offset, out=(y, rstd))
     return y, rstd
 
 
-def _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic):
-    return _like(x), x.new_empty(_lead(x, normalized_shape), dtype=torch.float32)
+def _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic, weight_offset=0.0):
+    return _like(x), *_stats(x, normalized_shape, 1)
+
+
+# The fused residual add: h = x + residual in residual_dtype (x's when None), normalized; the
+# outputs are (y, statistics, h).
+
+
+def _h_like(x, residual_dtype):
+    return torch.empty_like(x, dtype=residual_dtype or x.dtype,
+                            memory_format=torch.contiguous_format)
+
+
+def _add_ln_fwd_impl(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+                     normalized_shape: list[int], eps: float, residual_dtype: torch.dtype | None,
+                     weight_offset: float,
+                     deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = _add_ln_fwd_fake(x, residual, weight, bias, normalized_shape, eps, residual_dtype,
+                           weight_offset, deterministic)
+    _run(x.device, api.layer_norm_fwd, x, weight, bias, eps=eps,
+         normalized_shape=tuple(normalized_shape), residual=residual,
+         residual_dtype=_DTYPES.get(residual_dtype), weight_offset=weight_offset, out=out)
+    return out
+
+
+def _add_ln_fwd_fake(x, residual, weight, bias, normalized_shape, eps, residual_dtype,
+                     weight_offset, deterministic):
+    return (_like(x), *_stats(x, normalized_shape, 2), _h_like(x, residual_dtype))
+
+
+def _add_rms_fwd_impl(x: Tensor, residual: Tensor, weight: Tensor | None,
+                      normalized_shape: list[int], eps: float, residual_dtype: torch.dtype | None,
+                      weight_offset: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    out = _add_rms_fwd_fake(x, residual, weight, normalized_shape, eps, residual_dtype,
+                            weight_offset, deterministic)
+    _run(x.device, api.rms_norm_fwd, x, weight, eps=eps,
+         normalized_shape=tuple(normalized_shape), residual=residual,
+         residual_dtype=_DTYPES.get(residual_dtype), weight_offset=weight_offset, out=out)
+    return out
+
+
+def _add_rms_fwd_fake(x, residual, weight, normalized_shape, eps, residual_dtype, weight_offset,
+                      deterministic):
+    return (_like(x), *_stats(x, normalized_shape, 1), _h_like(x, residual_dtype))
 
 
 def _grads(x, weight, stats, need):
@@ -151,33 +201,43 @@ def _filled(grads, x):
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
+# The backwards take the forward's h as x, with dresidual (the gradient reaching h from the
+# residual stream, added to dx) where the forward had a residual.
+
+
 def _ln_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
-                 need_dx: bool, need_dweight: bool, need_dbias: bool,
-                 deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 need_dx: bool, need_dweight: bool, need_dbias: bool, deterministic: bool,
+                 dresidual: Tensor | None = None,
+                 weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None, need_dbias)
     grads = _grads(x, weight, mean, need)
     if any(need):
         _run(x.device, api.layer_norm_bwd, dy, x, weight, mean, rstd, need_dx=need[0],
-             need_dgamma=need[1], need_dbeta=need[2], deterministic=deterministic, out=grads)
+             need_dgamma=need[1], need_dbeta=need[2], deterministic=deterministic,
+             dresidual=dresidual, weight_offset=weight_offset, out=grads)
     return _filled(grads, x)
 
 
-def _ln_bwd_fake(dy, x, weight, mean, rstd, need_dx, need_dweight, need_dbias, deterministic):
+def _ln_bwd_fake(dy, x, weight, mean, rstd, need_dx, need_dweight, need_dbias, deterministic,
+                 dresidual=None, weight_offset=0.0):
     return _filled(_grads(x, weight, mean, (need_dx, need_dweight and weight is not None,
                                             need_dbias)), x)
 
 
 def _rms_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, need_dx: bool,
-                  need_dweight: bool, deterministic: bool) -> tuple[Tensor, Tensor]:
+                  need_dweight: bool, deterministic: bool, dresidual: Tensor | None = None,
+                  weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None)
     grads = _grads(x, weight, rstd, need)
     if any(need):
         _run(x.device, api.rms_norm_bwd, dy, x, weight, rstd, need_dx=need[0],
-             need_dgamma=need[1], deterministic=deterministic, out=grads)
+             need_dgamma=need[1], deterministic=deterministic, dresidual=dresidual,
+             weight_offset=weight_offset, out=grads)
     return _filled(grads, x)
 
 
-def _rms_bwd_fake(dy, x, weight, rstd, need_dx, need_dweight, deterministic):
+def _rms_bwd_fake(dy, x, weight, rstd, need_dx, need_dweight, deterministic, dresidual=None,
+                  weight_offset=0.0):
     return _filled(_grads(x, weight, rstd, (need_dx, need_dweight and weight is not None)), x)
 
 
@@ -191,6 +251,8 @@ _ln_fwd = _op("layer_norm_fwd", _ln_fwd_impl, _ln_fwd_fake)
 _rms_fwd = _op("rms_norm_fwd", _rms_fwd_impl, _rms_fwd_fake)
 _ln_bwd = _op("layer_norm_bwd", _ln_bwd_impl, _ln_bwd_fake)
 _rms_bwd = _op("rms_norm_bwd", _rms_bwd_impl, _rms_bwd_fake)
+_add_ln_fwd = _op("add_layer_norm_fwd", _add_ln_fwd_impl, _add_ln_fwd_fake)
+_add_rms_fwd = _op("add_rms_norm_fwd", _add_rms_fwd_impl, _add_rms_fwd_fake)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -207,9 +269,10 @@ def _deterministic(ctx):
 
 
 def _ln_setup(ctx, inputs, output):
-    x, weight, bias, _, _, deterministic = inputs
+    x, weight, bias, _, _, deterministic, weight_offset = inputs
     ctx.save_for_backward(x, weight, output[1], output[2])
-    ctx.has_bias, ctx.deterministic = bias is not None, deterministic
+    ctx.has_bias, ctx.deterministic, ctx.weight_offset = bias is not None, deterministic, \
+        weight_offset
 
 
 def _ln_backward(ctx, dy, _dmean, _drstd):
@@ -217,15 +280,16 @@ def _ln_backward(ctx, dy, _dmean, _drstd):
     need = ctx.needs_input_grad
     need_w, need_b = need[1] and weight is not None, need[2] and ctx.has_bias
     bwd = _ln_bwd_impl if _eager(dy, x) else _ln_bwd
-    dx, dw, db = bwd(dy, x, weight, mean, rstd, need[0], need_w, need_b, _deterministic(ctx))
+    dx, dw, db = bwd(dy, x, weight, mean, rstd, need[0], need_w, need_b, _deterministic(ctx),
+                     None, ctx.weight_offset)
     return (dx if need[0] else None, dw if need_w else None, db if need_b else None,
-            None, None, None)
+            None, None, None, None)
 
 
 def _rms_setup(ctx, inputs, output):
-    x, weight, _, _, deterministic = inputs
+    x, weight, _, _, deterministic, weight_offset = inputs
     ctx.save_for_backward(x, weight, output[1])
-    ctx.deterministic = deterministic
+    ctx.deterministic, ctx.weight_offset = deterministic, weight_offset
 
 
 def _rms_backward(ctx, dy, _drstd):
@@ -233,38 +297,89 @@ def _rms_backward(ctx, dy, _drstd):
     need = ctx.needs_input_grad
     need_w = need[1] and weight is not None
     bwd = _rms_bwd_impl if _eager(dy, x) else _rms_bwd
-    dx, dw = bwd(dy, x, weight, rstd, need[0], need_w, _deterministic(ctx))
-    return dx if need[0] else None, dw if need_w else None, None, None, None
+    dx, dw = bwd(dy, x, weight, rstd, need[0], need_w, _deterministic(ctx), None,
+                 ctx.weight_offset)
+    return dx if need[0] else None, dw if need_w else None, None, None, None, None
+
+
+def _add_setup(ctx, inputs, output):
+    """The fused add (inputs x, residual, weight[, bias], ...; outputs y, statistics, h): the
+    backward reads h, the weight and the statistics."""
+    x, residual, weight = inputs[:3]
+    ctx.is_ln = len(output) == 4
+    ctx.has_bias = ctx.is_ln and inputs[3] is not None
+    ctx.weight_offset, ctx.deterministic = inputs[-2], inputs[-1]
+    ctx.dtypes = (x.dtype, residual.dtype)
+    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(output[-1], weight, *output[1:-1])
+
+
+def _add_backward(ctx, dy, *grads):
+    """dx of the norm of h plus dh (the gradient reaching h from the residual stream): the
+    gradient of both x and residual, each in its own dtype."""
+    h, weight, *stats = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_h = need[0] or need[1]
+    need_w = need[2] and weight is not None
+    need_b = ctx.has_bias and need[3]
+    dh = grads[-1] if need_h else None
+    dy = dy.to(h.dtype)  # dy in h's dtype: the backward's rule
+    det = _deterministic(ctx)
+    if ctx.is_ln:
+        bwd = _ln_bwd_impl if _eager(dy, h) else _ln_bwd
+        dxh, dw, db = bwd(dy, h, weight, *stats, need_h, need_w, need_b, det, dh,
+                          ctx.weight_offset)
+    else:
+        bwd = _rms_bwd_impl if _eager(dy, h) else _rms_bwd
+        (dxh, dw), db = bwd(dy, h, weight, *stats, need_h, need_w, det, dh,
+                            ctx.weight_offset), None
+    grads = [dxh.to(ctx.dtypes[0]) if need[0] else None,
+             dxh.to(ctx.dtypes[1]) if need[1] else None, dw if need_w else None]
+    if ctx.is_ln:
+        grads.append(db if need_b else None)
+    return (*grads, *(None,) * (ctx.n_inputs - len(grads)))
 
 
 _ln_fwd.register_autograd(_ln_backward, setup_context=_ln_setup)
 _rms_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
+_add_ln_fwd.register_autograd(_add_backward, setup_context=_add_setup)
+_add_rms_fwd.register_autograd(_add_backward, setup_context=_add_setup)
 
 
-class _LayerNorm(torch.autograd.Function):
+class _Eager(torch.autograd.Function):
     """The eager path: the same forward, setup and backward without the custom op's dispatch
     (50 us per call on the H200 host). forward takes ctx itself: with a separate setup_context
     torch binds the arguments through inspect.signature on every call."""
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = _ln_fwd_impl(*inputs)
-        _ln_setup(ctx, inputs, out)
-        ctx.mark_non_differentiable(out[1], out[2])
+    impl = setup = None  # the subclass's op: its forward impl and setup_context
+    n_stats = 0
+
+    @classmethod
+    def forward(cls, ctx, *inputs):
+        out = cls.impl(*inputs)
+        cls.setup(ctx, inputs, out)
+        ctx.mark_non_differentiable(*out[1 : 1 + cls.n_stats])
         return out
 
+
+class _LayerNorm(_Eager):
+    impl, setup, n_stats = staticmethod(_ln_fwd_impl), staticmethod(_ln_setup), 2
     backward = staticmethod(_ln_backward)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *inputs):
-        out = _rms_fwd_impl(*inputs)
-        _rms_setup(ctx, inputs, out)
-        ctx.mark_non_differentiable(out[1])
-        return out
-
+class _RMSNorm(_Eager):
+    impl, setup, n_stats = staticmethod(_rms_fwd_impl), staticmethod(_rms_setup), 1
     backward = staticmethod(_rms_backward)
+
+
+class _AddLayerNorm(_Eager):
+    impl, setup, n_stats = staticmethod(_add_ln_fwd_impl), staticmethod(_add_setup), 2
+    backward = staticmethod(_add_backward)
+
+
+class _AddRMSNorm(_Eager):
+    impl, setup, n_stats = staticmethod(_add_rms_fwd_impl), staticmethod(_add_setup), 1
+    backward = staticmethod(_add_backward)
 
 
 # ----------------------------------------------------------------------------- functions
@@ -276,23 +391,53 @@ def _shape(normalized_shape):
 
 
 def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
-               bias: Tensor | None = None, eps: float = 1e-5, *,
+               bias: Tensor | None = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
                deterministic: bool = False) -> Tensor:
     """``torch.nn.functional.layer_norm`` through cupyln's kernels; differentiable in x, weight
-    and bias. Output in x's dtype (float32 weights with 16-bit x are fine). Errors as
-    ``cupyln.layer_norm_fwd``."""
+    and bias. Output in x's dtype (float32 weights with 16-bit x are fine). ``weight_offset``:
+    scale by ``weight + weight_offset``. Errors as ``cupyln.layer_norm_fwd``."""
     fn = _ln_fwd if torch.compiler.is_compiling() else _LayerNorm.apply
-    return fn(x, weight, bias, _shape(normalized_shape), float(eps), deterministic)[0]
+    return fn(x, weight, bias, _shape(normalized_shape), float(eps), deterministic,
+              float(weight_offset))[0]
 
 
 def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
-             eps: float | None = None, *, deterministic: bool = False) -> Tensor:
+             eps: float | None = None, *, weight_offset: float = 0.0,
+             deterministic: bool = False) -> Tensor:
     """``torch.nn.functional.rms_norm`` through cupyln's kernels (``eps=None``: the machine
-    epsilon of x's dtype, as torch)."""
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+    epsilon of x's dtype, as torch). ``weight_offset=1.0``: Gemma's ``(1 + weight)``."""
     fn = _rms_fwd if torch.compiler.is_compiling() else _RMSNorm.apply
-    return fn(x, weight, _shape(normalized_shape), float(eps), deterministic)[0]
+    return fn(x, weight, _shape(normalized_shape), _eps(eps, x), deterministic,
+              float(weight_offset))[0]
+
+
+def _eps(eps, x):
+    return torch.finfo(x.dtype).eps if eps is None else float(eps)
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[int],
+                   weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5,
+                   *, residual_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
+                   deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """``h = x + residual`` (in ``residual_dtype``, x's by default; torch.float32 keeps the
+    residual stream in float32) and ``y = layer_norm(h)`` in one kernel each way. Returns
+    ``(y, h)``, both differentiable; x's and residual's gradients come from one backward
+    kernel."""
+    fn = _add_ln_fwd if torch.compiler.is_compiling() else _AddLayerNorm.apply
+    out = fn(x, residual, weight, bias, _shape(normalized_shape), float(eps), residual_dtype,
+             float(weight_offset), deterministic)
+    return out[0], out[-1]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[int],
+                 weight: Tensor | None = None, eps: float | None = None, *,
+                 residual_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
+                 deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """The fused residual add of :func:`add_layer_norm`, for RMSNorm. Returns ``(y, h)``."""
+    fn = _add_rms_fwd if torch.compiler.is_compiling() else _AddRMSNorm.apply
+    out = fn(x, residual, weight, _shape(normalized_shape), _eps(eps, x), residual_dtype,
+             float(weight_offset), deterministic)
+    return out[0], out[-1]
 
 
 # ----------------------------------------------------------------------------- modules
@@ -313,16 +458,54 @@ class LayerNorm(torch.nn.LayerNorm):
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` (same arguments, parameters and state_dict keys) on cupyln."""
+    """``torch.nn.RMSNorm`` (same arguments, parameters and state_dict keys) on cupyln.
+    ``weight_offset``: scale by ``weight + weight_offset``, the weight starting at
+    ``1 - weight_offset`` (Gemma: ``weight_offset=1.0``, weights from zero)."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
-                 dtype=None, *, deterministic=False):
+                 dtype=None, *, weight_offset=0.0, deterministic=False):
+        self.weight_offset = float(weight_offset)
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.deterministic = deterministic
 
+    def reset_parameters(self):
+        if self.weight is not None:
+            torch.nn.init.constant_(self.weight, 1.0 - getattr(self, "weight_offset", 0.0))
+
     def forward(self, x):
         return rms_norm(x, self.normalized_shape, self.weight, self.eps,
-                        deterministic=self.deterministic)
+                        weight_offset=self.weight_offset, deterministic=self.deterministic)
+
+
+class FusedAddLayerNorm(LayerNorm):
+    """:class:`LayerNorm` of ``h = x + residual``: ``forward(x, residual) -> (y, h)``, the add
+    fused into the kernels (``residual_dtype=torch.float32``: a float32 residual stream)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
+                 device=None, dtype=None, *, residual_dtype=None, deterministic=False):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype,
+                         deterministic=deterministic)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x, residual):
+        return add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias,
+                              self.eps, residual_dtype=self.residual_dtype,
+                              deterministic=self.deterministic)
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """:class:`RMSNorm` of ``h = x + residual``: ``forward(x, residual) -> (y, h)``."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
+                 dtype=None, *, residual_dtype=None, weight_offset=0.0, deterministic=False):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype,
+                         weight_offset=weight_offset, deterministic=deterministic)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x, residual):
+        return add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps,
+                            residual_dtype=self.residual_dtype,
+                            weight_offset=self.weight_offset, deterministic=self.deterministic)
 
 
 def replace_norms(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.Module:
@@ -338,8 +521,11 @@ def replace_norms(model: torch.nn.Module, *, deterministic: bool = False) -> tor
             continue
         new.__dict__.update(child.__dict__)
         new.deterministic = deterministic
+        if isinstance(new, RMSNorm):
+            new.weight_offset = 0.0
         setattr(model, name, new)
     return model
 
 
-__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "replace_norms", "rms_norm"]
+__all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "LayerNorm", "RMSNorm", "add_layer_norm",
+           "add_rms_norm", "layer_norm", "replace_norms", "rms_norm"]

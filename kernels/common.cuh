@@ -322,8 +322,9 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
   return w;
 }
 
-template <int V, typename T, typename C>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
+// V values rounded to T, as one pack.
+template <typename T, int V, typename C>
+__device__ __forceinline__ Pack<T, V> pack_vec(const C (&in)[V]) {
   Pack<T, V> pk;
   if constexpr (sizeof(T) == 2 && V % 2 == 0) {  // 16-bit pairs: half the conversions
     unsigned int* w = reinterpret_cast<unsigned int*>(pk.v);
@@ -333,6 +334,11 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
 #pragma unroll
     for (int j = 0; j < V; ++j) pk.v[j] = Store<T>::cvt(in[j]);
   }
+  return pk;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_pack(T* __restrict__ p, const Pack<T, V>& pk) {
 #ifndef CLN_HIP
   if constexpr (sizeof(pk) == 16) {  // one 16-byte store: NVVM split the backward's in four
     const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk);
@@ -343,6 +349,35 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   }
 #endif
   *reinterpret_cast<Pack<T, V>*>(p) = pk;
+}
+
+template <int V, typename T, typename C>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
+  store_pack(p, pack_vec<T>(in));
+}
+
+// The fused residual add: NPT vectors of h = x + residual (in H, the residual stream's type)
+// stored to `h` (valid rows, columns below N) and kept in registers as the row, exactly as
+// stored, so the statistics are those of the h that the backward will read.
+template <int VEC, int NPT, typename T, typename H, typename R>
+__device__ __forceinline__ void load_row_add(const T* __restrict__ x, const H* __restrict__ res,
+                                             H* __restrict__ h, cl_i64 c0, cl_i64 N,
+                                             bool valid, R (&p)[NPT]) {
+  typedef typename Acc<H>::type C;
+  Pack<T, VEC> px[NPT];
+  Pack<H, VEC> pr[NPT];
+  load_packs<VEC, NPT>(x, c0, N, valid, px);
+  load_packs<VEC, NPT>(res, c0, N, valid, pr);
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    C s[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s[j] = (C)elem(px[k], j) + (C)elem(pr[k], j);
+    const Pack<H, VEC> hk = pack_vec<H>(s);
+    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    if (valid && col < N) store_pack(h + col, hk);
+    to_row(hk, p[k]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

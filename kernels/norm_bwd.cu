@@ -1,7 +1,8 @@
 // Backward pass of LayerNorm (LN = true) and RMSNorm (LN = false), one template family.
 //
-//   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * gamma
-//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (RMSNorm: no mean(g) term)
+//   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * (gamma + woff)
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dres   (RMSNorm: no mean(g) term;
+//   dres, the fused residual add's gradient from the residual stream, where given)
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 //
 // norm_bwd reads x and dy once: it computes dx row by row and, in the same pass, accumulates the
@@ -39,10 +40,10 @@ __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1
       T *__restrict__ dx, W *__restrict__ dgamma, W *__restrict__ dbeta,                     \
       typename Acc<T>::type *__restrict__ accum, unsigned int *__restrict__ counter,          \
       unsigned int *__restrict__ tickets, typename Acc<T>::type *__restrict__ partial,        \
-      cl_i64 M, cl_i64 N
+      cl_i64 M, cl_i64 N, const T *__restrict__ dres, cl_i64 ldres, typename Acc<T>::type woff
 #define CLN_BWD_ARGS \
   dy, lddy, x, ldx, gamma, mean, rstd, rowsums, dx, dgamma, dbeta, accum, counter, tickets, \
-      partial, M, N
+      partial, M, N, dres, ldres, woff
 
 // CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
 // and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
@@ -201,7 +202,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 #pragma unroll
       for (int k = 0; k < NPT; ++k)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) g[k][j] *= (C)elem(gp[k], j);
+        for (int j = 0; j < VEC; ++j) g[k][j] *= (C)elem(gp[k], j) + woff;
     }
     C s[2] = {C(0), C(0)};
 #pragma unroll
@@ -231,6 +232,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         C o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
+        if (dres) {  // the fused residual add's gradient from the residual stream
+          const Pack<T, VEC> r = *reinterpret_cast<const Pack<T, VEC>*>(dres + row * ldres + col);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
+        }
         store_vec<VEC>(dxr + col, o);
       }
     }
@@ -373,7 +379,7 @@ __global__ void __launch_bounds__(1024)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
                  const W* __restrict__ gamma, const float* __restrict__ mean,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
-                 cl_i64 M, cl_i64 N) {
+                 cl_i64 M, cl_i64 N, typename Acc<T>::type woff) {
   typedef typename Acc<T>::type C;
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
@@ -392,6 +398,8 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
         load_vec<VEC>(dyr + col, dv);
         if (gamma) {
           load_vec<VEC>(gamma + col, g);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) g[j] += woff;
         } else {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) g[j] = C(1);

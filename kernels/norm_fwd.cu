@@ -63,8 +63,8 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
-// Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
-// they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
+// Output of one chunk. The scale is gamma + woff (the weight offset, 0 unless asked for).
+// gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
 // ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0
 // included), for kernels whose time is one row's chain. Beta is added in the product's rounding
 // (one fused multiply-add) on every path: left to nvcc, the four cases fused it for float16
@@ -73,7 +73,7 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
           typename C, typename R, typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
-                                            C rstd, const W* __restrict__ gamma,
+                                            C rstd, C woff, const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr,
                                             const H (&hg)[NPT], const H (&hb)[NPT]) {
 #pragma unroll
@@ -85,7 +85,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
       static_assert(HELD, "one path: gamma/beta held");
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const C scale = rstd * (gamma ? (C)elem(hg[k], j) : C(1));
+        const C scale = rstd * (gamma ? (C)elem(hg[k], j) + woff : C(1));
         o[j] = cl_fma((C)elem(p[k], j) - mu, scale, beta ? (C)elem(hb[k], j) : C(-0.0));
       }
     } else {
@@ -94,7 +94,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
       auto out = [&](const auto& g, const auto& b, auto G, auto B) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
+          const C scale = decltype(G)::value ? rstd * ((C)elem(g, j) + woff) : rstd;
           const C d = (C)elem(p[k], j) - mu;
           o[j] = decltype(B)::value ? cl_fma(d, scale, (C)elem(b, j)) : d * scale;
         }
@@ -126,19 +126,24 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // for the output). FULL (the planner's choice where N is a multiple of the chunk, direct rows of
 // one chunk): every thread's vectors lie below N, so the loads, the centred pass and the stores
 // test no column (fewer instructions and registers).
+// ADD: the fused residual add. The row is h = x + res (ldr: res's row stride), stored to hout
+// (rows of N) in H and normalized as stored; chunked rows read h back for the output.
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP, bool FULL = false>
+          int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
-                                         typename Acc<T>::type eps) {
+                                         typename Acc<T>::type eps, typename Acc<T>::type woff,
+                                         const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
+                                         H* __restrict__ hout = nullptr) {
+  static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
   typedef typename Acc<T>::type C;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
   const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
-  typename RowVec<T, VEC>::type p[NPT];
+  typename RowVec<H, VEC>::type p[NPT];
   // One vector per thread (the planner's choice for small M), or EARLY_PARAMS (its choice for
   // 4-byte and wider types; fwd.early in cupyln/_config.py): gamma/beta are read right after the
   // row, so the three loads are in flight together, instead of after the row's reductions.
@@ -178,6 +183,9 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
         const P* src = stage + (phase & 1) * NPT * threads + tid;
 #pragma unroll
         for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
+      } else if constexpr (ADD) {
+        load_row_add<VEC, NPT>(xr, res + (valid ? row : 0) * ldr, hout + row * N,
+                               (cl_i64)c * chunk, N, valid, p);
       } else {
         load_row<VEC, NPT, FULL>(xr, (cl_i64)c * chunk, N, valid, p);
       }
@@ -195,8 +203,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       rstd_out[row] = (float)rstd;
     }
     for (int c = 0; c < nchunks && valid; ++c) {
-      if (CHUNKED) load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);  // read again
-      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
+      if constexpr (CHUNKED && ADD) {  // read again: h, as this thread stored it
+        load_row<VEC, NPT>(hout + row * N, (cl_i64)c * chunk, N, valid, p);
+      } else if constexpr (CHUNKED) {
+        load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+      }
+      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, woff, gamma, beta,
                                         y + row * N, hg, hb);
     }
   }
@@ -206,20 +218,36 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
 #define CLN_FWD_PARAMS                                                                        \
   const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
-      cl_i64 N, typename Acc<T>::type eps
+      cl_i64 N, typename Acc<T>::type eps, typename Acc<T>::type woff
+#define CLN_FWD_ARGS x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps, woff
 
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
           bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(x, ldx, gamma, beta, y, mean_out,
-                                                                rstd_out, M, N, eps);
+  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(CLN_FWD_ARGS);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
-  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(x, ldx, gamma, beta, y, mean_out, rstd_out,
-                                                       M, N, eps);
+  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(CLN_FWD_ARGS);
+}
+
+// The fused residual add (fwd_rows' ADD), h in H: rows of one chunk, NPT vectors per thread,
+// and longer rows in chunks. Built for 16-byte vectors and single elements only (the planner's
+// rule): intermediate widths would double the specializations for rare alignments.
+#define CLN_FWD_ADD_PARAMS \
+  CLN_FWD_PARAMS, const H *__restrict__ res, cl_i64 ldr, H *__restrict__ hout
+template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
+  fwd_rows<false, false, false, T, W, LN, VEC, NPT, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
+                                                                          hout);
+}
+
+template <typename T, typename W, typename H, bool LN, int VEC, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS) {
+  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
+                                                                       hout);
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
@@ -263,6 +291,6 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
     rstd_out[row] = (float)rstd;
   }
   // one code path for the output: 0.03-0.13 us faster than the four cases
-  write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta, y + row * (int)N,
-                                          hg, hb);
+  write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, woff, gamma, beta,
+                                          y + row * (int)N, hg, hb);
 }

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 _plan = pytest.importorskip("cupyln._plan", exc_type=ImportError)  # needs CuPy installed
 from cupyln import _layout  # noqa: E402
 from cupyln._config import DEFAULT  # noqa: E402
+from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes  # noqa: E402
 
 FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
 
@@ -113,10 +114,11 @@ class _FakeKernel:
 _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
-def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False):
+def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
+                      hdtype=None):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
-    it asked for, by variant name."""
+    it asked for, by variant name. ``hdtype``: the forward's fused residual add."""
     from unittest import mock
 
     from cupyln._dtypes import BFLOAT16
@@ -136,6 +138,9 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
             mock.patch.object(_plan._driver, "max_active_clusters", lambda *a: 1), \
             mock.patch.object(_plan, "Launcher", lambda *args: None):
         vec = _layout.vec_width(dtype, N, (N,), [])
+        if hdtype is not None:
+            return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N,
+                                              add_vec(dtype, vec), hdtype), built
         planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec), built
 
@@ -236,6 +241,25 @@ def test_every_kernel_a_plan_builds_is_in_the_offline_list(dt, M, N, warp, targe
         assert set(built.values()) <= names
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 17), WARPS, st.booleans(), st.booleans())
+def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h, hip):
+    """The fused residual add's forward runs its own kernels (direct rows of one chunk, or
+    chunks), at 16-byte vectors or single elements, with the general path's geometry; every
+    kernel it builds is compiled offline."""
+    dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
+    hdtype = h_dtypes(dtype)[-1 if wide_h else 0]
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
+    assert set(built) == {"fwd_add", "fwd_add_chunked"}
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    assert plan.variant == ("fwd_add" if plan.spec.npt * plan.block[0] * plan.spec.vec >= N
+                            else "fwd_add_chunked")
+    assert plan.spec.vec in (16 // dtype.itemsize, 1) and plan.spec.hdtype == hdtype
+    plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip)
+    if not plain.spec.row:  # the general path's geometry, where the plain forward takes it
+        assert plan.block == plain.block or plan.spec.vec != plain.spec.vec
+
+
 def test_plan_caches_are_bounded():
     assert _plan.plan_fwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
     assert _plan.plan_bwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
@@ -245,4 +269,5 @@ def test_hip_modules_leave_out_the_staged_and_cluster_kernels():
     cuda, hip = _plan.all_kernel_names(32), _plan.all_kernel_names(32, hip=True)
     assert hip < cuda
     assert not any("cln::staged" in n or "cluster" in n or "csum" in n for n in hip)
-    assert len(cuda) < 2671 // 2  # half of the specializations before the configs were values
+    # half of the specializations before the configs were values, the fused add's apart
+    assert len([n for n in cuda if "norm_fwd_add" not in n]) < 2671 // 2

@@ -245,3 +245,101 @@ def test_training_loss_curves_agree_with_torch(norm):
 def test_unsupported_tensor_dtype_is_named():
     with pytest.raises(TypeError, match="got torch.int32"):
         ct.layer_norm(torch.ones(2, 4, dtype=torch.int32), 4)
+
+
+# --------------------------------------------------------------------------- fused residual add
+
+
+ADD_CASES = [  # shape, x dtype, residual (and h) dtype, weight dtype
+    ((4, 7, 64), torch.float32, torch.float32, torch.float32),
+    ((33, 1000), torch.float16, torch.float16, torch.float32),
+    ((2, 8, 3000), torch.bfloat16, torch.float32, torch.float32),
+    ((5, 4096), torch.float64, torch.float64, torch.float64),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("shape,dt,hdt,wdt", ADD_CASES)
+def test_fused_add_matches_torch_add_then_norm(device, op, shape, dt, hdt, wdt):
+    """(y, h) and the gradients of x, residual, weight and bias, against torch's add (rounded
+    to h's dtype) then norm in float64, with gradients arriving on both y and h."""
+    x, w, b, dy = inputs(shape, 1, dt, wdt, device)
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(shape, generator=g, dtype=torch.float64).to(hdt).to(device)
+    dh = (0.1 * torch.randn(shape, generator=g, dtype=torch.float64)).to(hdt).to(device)
+    n = shape[-1]
+    b = b if op == "ln" else None
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    if op == "ln":
+        y, h = ct.add_layer_norm(*leaves[:2], n, *leaves[2:], residual_dtype=hdt)
+    else:
+        y, h = ct.add_rms_norm(*leaves[:2], n, leaves[2], 1e-6, residual_dtype=hdt)
+    assert (y.dtype, h.dtype) == (dt, hdt)
+    wrt = [t for t in leaves if t is not None]
+    ours = (y, h, *torch.autograd.grad((y, h), wrt, (dy, dh)))
+    up = [t.detach().double().requires_grad_() if t is not None else None for t in (x, r, w, b)]
+    href = (up[0] + up[1]).to(hdt).double()  # h as stored, then its norm
+    href = up[0] + up[1] + (href - (up[0] + up[1])).detach()  # its rounding, without gradient
+    yref = (F.layer_norm(href, (n,), up[2], up[3]) if op == "ln"
+            else F.rms_norm(href, (n,), up[2], 1e-6))
+    want = (yref, href, *torch.autograd.grad((yref, href), [t for t in up if t is not None],
+                                             (dy.double(), dh.double())))
+    for i, (a, ref_) in enumerate(zip(ours, want, strict=True)):
+        assert rel_err(a, ref_) <= TOL[a.dtype], i
+
+
+def test_fused_add_and_offset_gradcheck_in_float64():
+    x, w, b, _ = inputs((3, 4, 10), 1, torch.float64, torch.float64, "cpu")
+    r = torch.randn(3, 4, 10, dtype=torch.float64)
+    args = [t.requires_grad_() for t in (x, r, w, b)]
+    assert torch.autograd.gradcheck(
+        lambda x, r, w, b: ct.add_layer_norm(x, r, 10, w, b, weight_offset=0.5), args)
+    assert torch.autograd.gradcheck(
+        lambda x, r, w: ct.add_rms_norm(x, r, 10, w, 1e-6, weight_offset=1.0), args[:3])
+    assert torch.autograd.gradcheck(
+        lambda x, w: ct.rms_norm(x, 10, w, 1e-6, weight_offset=1.0), [args[0], args[2]])
+
+
+def test_fused_add_ops_pass_opcheck():
+    x, w, b, _ = inputs((6, 32), 1, torch.bfloat16, torch.float32, "cpu")
+    r = torch.randn(6, 32)
+    torch.library.opcheck(torch.ops.cupyln.add_layer_norm_fwd.default,
+                          (x, r, w, b, [32], 1e-5, torch.float32, 0.0, False))
+    torch.library.opcheck(torch.ops.cupyln.add_rms_norm_fwd.default,
+                          (x, r.bfloat16(), w, [32], 1e-6, None, 1.0, False))
+
+
+def test_fused_add_under_torch_compile_without_graph_breaks():
+    x, w, _, _ = inputs((4, 16, 64), 1, torch.float32, torch.float32, "cpu")
+    r = torch.randn(4, 16, 64)
+
+    def block(x, r, w):
+        y, h = ct.add_rms_norm(x, r, 64, w, weight_offset=1.0)
+        return (y * 2.0 + h).sum()
+
+    explained = torch._dynamo.explain(block)(x, r, w)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    leaves = [t.detach().requires_grad_() for t in (x, r, w)]
+    compiled(*leaves).backward()
+    eager = [t.detach().requires_grad_() for t in (x, r, w)]
+    block(*eager).backward()
+    for a, e in zip(leaves, eager, strict=True):
+        assert torch.allclose(a.grad, e.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_add_modules_and_gemma_offset():
+    """The fused-add modules keep torch's parameters and state_dict keys; RMSNorm with
+    weight_offset=1.0 starts from zero weights and computes what torch's RMSNorm with weights
+    of ones does (Gemma's (1 + w))."""
+    assert list(ct.FusedAddLayerNorm(32).state_dict()) == list(torch.nn.LayerNorm(32)
+                                                               .state_dict())
+    assert list(ct.FusedAddRMSNorm(32).state_dict()) == list(torch.nn.RMSNorm(32).state_dict())
+    gemma = ct.RMSNorm(32, eps=1e-6, weight_offset=1.0)
+    assert not gemma.weight.detach().any()
+    x, r = torch.randn(5, 32), torch.randn(5, 32)
+    want = torch.nn.RMSNorm(32, eps=1e-6)(x + r)
+    y, h = ct.FusedAddRMSNorm(32, eps=1e-6, weight_offset=1.0)(x, r)
+    assert torch.allclose(h, x + r) and torch.allclose(y, want, atol=1e-5)
+    assert torch.allclose(gemma(x), torch.nn.RMSNorm(32, eps=1e-6)(x), atol=1e-5)
