@@ -4,8 +4,9 @@ Variants: forward (one chunk, several chunks), backward with atomics and determi
 staged rows (cp.async; backward rows static or from tickets) and direct loads, for short rows
 (several per block), block rows (of 8, 16 and 32 warps), and long rows (clusters of column
 tiles, or row sums + column tiles), and few rows (one cluster that sums dgamma/dbeta, or the
-last block summing the partials); LayerNorm and RMSNorm. Exits non-zero when an output misses
-the reference tolerance.
+last block summing the partials); LayerNorm and RMSNorm; and the fused residual add (with
+dresidual and a weight offset) over the same shapes, staged backward rows or none. Exits non-zero
+when an output misses the reference tolerance.
 """
 
 import sys
@@ -38,21 +39,24 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 3000, 1032, "float16", "float32"),   # row kernel, 2 warps x 4 vectors, not full
 ]
 
+VARIANTS = [(False, False, "always", True, False), (True, False, "always", True, False),
+            (False, True, "always", True, False), (False, False, "never", True, False),
+            (False, False, "never", False, False),
+            (False, False, "always", True, True), (True, True, "never", False, True)]
 bad = 0
 for op, M, N, dt, wdt in CASES:
-    for det, atomic, stage, csum in ((False, False, "always", True), (True, False, "always", True),
-                                     (False, True, "always", True), (False, False, "never", True),
-                                     (False, False, "never", False)):
+    for det, atomic, stage, csum, fused in VARIANTS:
         # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
         # cluster (direct rows), or the last block summing
         config = Config(fwd=FwdConfig(stage=stage),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum))
-        rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config)
+        rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
+                            fused=fused)
         cp.cuda.Device().synchronize()
         worst = max(rows, key=lambda r: r[1] / r[2])
         ok = all(err <= tol for _, err, tol in rows)
         bad += not ok
         print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} {stage:<6} "
-              f"csum={csum!s:<5} "
+              f"csum={csum!s:<5} fused={fused!s:<5} "
               f"worst {worst[0]}={worst[1]:.2e} {'ok' if ok else 'FAIL'}")
 sys.exit(1 if bad else 0)

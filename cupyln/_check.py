@@ -63,33 +63,44 @@ def problem(xp, M, N, dtype, wdtype=None, seed=0):
     return tuple(xp.asarray(a) for a in (x, dy, gamma, beta))
 
 
-def check(xp, op, M, N, dtype, wdtype=None, seed=0, deterministic=False, config=None):
+def check(xp, op, M, N, dtype, wdtype=None, seed=0, deterministic=False, config=None,
+          fused=False):
     """Run forward and backward of ``op`` ('layernorm'/'rmsnorm') through cupyln on ``xp``
-    arrays and return rows ``(output, max_err, tol)`` against the reference."""
+    arrays and return rows ``(output, max_err, tol)`` against the reference. ``fused``: with a
+    residual (and h), dresidual and a weight offset of 0.5."""
     x, dy, gamma, beta = problem(xp, M, N, dtype, wdtype, seed)
     h = [to_numpy(a) for a in (x, dy, gamma, beta)]
-    rows = []
-    if op == "layernorm":
-        y, mean, rstd = api.layer_norm_fwd(x, gamma, beta, config=config)
-        ry, rm, rr = ref.layer_norm_fwd(h[0], h[2], h[3])
-        grads = api.layer_norm_bwd(dy, x, gamma, mean, rstd, deterministic=deterministic,
-                                   config=config)
-        rgrads = ref.layer_norm_bwd(h[1], h[0], h[2], to_numpy(mean), to_numpy(rstd))
-        outs = [("y", y, ry), ("mean", mean, rm), ("rstd", rstd, rr)]
-        names = ("dx", "dgamma", "dbeta")
+    fkw, rkw, bkw, rbkw = {}, {}, {}, {}
+    if fused:
+        res, dres = problem(xp, M, N, dtype, wdtype, seed + 1)[:2]
+        fkw = {"residual": res, "weight_offset": 0.5}
+        rkw = {"residual": to_numpy(res), "weight_offset": 0.5}
+        bkw, rbkw = {"dresidual": dres, "weight_offset": 0.5}, {"weight_offset": 0.5}
+        rbkw["dresidual"] = to_numpy(dres)
+    is_ln = op == "layernorm"
+    fwd, rfwd = (api.layer_norm_fwd, ref.layer_norm_fwd) if is_ln else (api.rms_norm_fwd,
+                                                                         ref.rms_norm_fwd)
+    params, rparams = ((gamma, beta), (h[2], h[3])) if is_ln else ((gamma,), (h[2],))
+    outs = fwd(x, *params, config=config, **fkw)
+    routs = rfwd(h[0], *rparams, **rkw)
+    names = (["y", "mean", "rstd"] if is_ln else ["y", "rstd"]) + (["h"] if fused else [])
+    xin = outs[-1] if fused else x  # the backward reads h where the forward had a residual
+    stats = outs[1:len(outs) - fused]
+    if is_ln:
+        grads = api.layer_norm_bwd(dy, xin, gamma, *stats, deterministic=deterministic,
+                                   config=config, **bkw)
+        rgrads = ref.layer_norm_bwd(h[1], to_numpy(xin), h[2], *map(to_numpy, stats), **rbkw)
     else:
-        y, rstd = api.rms_norm_fwd(x, gamma, config=config)
-        ry, rr = ref.rms_norm_fwd(h[0], h[2])
-        grads = api.rms_norm_bwd(dy, x, gamma, rstd, deterministic=deterministic, config=config)
-        rgrads = ref.rms_norm_bwd(h[1], h[0], h[2], to_numpy(rstd))
-        outs = [("y", y, ry), ("rstd", rstd, rr)]
-        names = ("dx", "dgamma")
-    outs += list(zip(names, grads, rgrads, strict=False))
-    floor = dx_floor(h[1], h[2], rstd)
-    for name, out, want in outs:
-        err = max_err(out, want, floor if name == "dx" else 0.0)
-        rows.append((name, err, TOL[np.dtype(out.dtype)]))
-    return rows
+        grads = api.rms_norm_bwd(dy, xin, gamma, *stats, deterministic=deterministic,
+                                 config=config, **bkw)
+        rgrads = ref.rms_norm_bwd(h[1], to_numpy(xin), h[2], *map(to_numpy, stats), **rbkw)
+    rows = list(zip(names, outs, routs, strict=True))
+    rows += list(zip(("dx", "dgamma", "dbeta"), grads, rgrads, strict=False))
+    g_eff = h[2].astype(np.float64) + (0.5 if fused else 0.0)
+    floor = dx_floor(h[1], g_eff, stats[-1]) + (np.abs(rbkw["dresidual"]).max(initial=0.0)
+                                               if fused else 0.0)
+    return [(name, max_err(out, want, floor if name == "dx" else 0.0),
+             TOL[np.dtype(out.dtype)]) for name, out, want in rows]
 
 
 SELF_CHECK_PROBLEMS = [

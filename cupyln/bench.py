@@ -126,12 +126,16 @@ def copy_bandwidth(nbytes=4 << 30):
 
 
 def moved_bytes(op, pass_, M, N, isz, wsz):
-    stats = (2 if op == "layernorm" else 1) * M * 4
-    params = (2 if op == "layernorm" else 1) * N * wsz
+    ln = op.startswith("layernorm")
+    stats = (2 if ln else 1) * M * 4
+    params = (2 if ln else 1) * N * wsz
+    # the fused residual add moves one row array more each way: the forward reads x and the
+    # residual and writes y and h; the backward also reads dresidual
+    rows = 1 if op.endswith("_add") else 0
     if pass_ == "fwd":
-        return 2 * M * N * isz + params + stats
+        return (2 + 2 * rows) * M * N * isz + params + stats
     # backward reads x, dy, gamma, stats; writes dx, dgamma (and dbeta)
-    return 3 * M * N * isz + N * wsz + params + stats
+    return (3 + rows) * M * N * isz + N * wsz + params + stats
 
 
 # ----------------------------------------------------------------------------- providers
@@ -220,6 +224,55 @@ def cases(op, x, dy, g, b, torch, liger, deterministic=False, config=None):
         try:
             out.update(_liger_cases(op, tx, tdy, tg, tb, liger))
         except Exception:  # Liger refuses some shapes (rows over 65536 elements): left out
+            pass
+    return out
+
+
+def add_cases(op, x, dy, g, b, torch, liger):
+    """{(provider, pass): callable} of the fused residual add (``op`` "layernorm_add" or
+    "rmsnorm_add", h in x's dtype): cupyln fused, cupyln's add then norm ("cupyln_unfused"),
+    torch eager add then norm, and Liger's fused-add RMSNorm."""
+    r, dr = x[::-1].copy(), dy[::-1].copy()  # residual and its gradient: other values
+    ln = op == "layernorm_add"
+    fwd = cupyln.layer_norm_fwd if ln else cupyln.rms_norm_fwd
+    bwd = cupyln.layer_norm_bwd if ln else cupyln.rms_norm_bwd
+    par = (g, b) if ln else (g,)
+    *_, h = fwd(x, *par, residual=r)
+    stats = fwd(h, *par)[1:]
+    hs = cp.empty_like(x)
+    out = {("cupyln", "fwd"): lambda: fwd(x, *par, residual=r),
+           ("cupyln", "bwd"): lambda: bwd(dy, h, g, *stats, dresidual=dr),
+           ("cupyln_unfused", "fwd"): lambda: fwd(cp.add(x, r, out=hs), *par),
+           ("cupyln_unfused", "bwd"): lambda: cp.add(bwd(dy, h, g, *stats)[0], dr)}
+    if torch is None:
+        return out
+    N = x.shape[-1]
+    tx, tr, tdy, tdr, tg, tb = (_to_torch(torch, a) for a in (x, r, dy, dr, g, b))
+    th = tx + tr
+    if ln:
+        lnf, lnb = torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm_backward
+        _, tm, trs = lnf(th, [N], tg, tb, 1e-5)
+        out["torch", "fwd"] = lambda: lnf(tx + tr, [N], tg, tb, 1e-5)
+        out["torch", "bwd"] = lambda: lnb(tdy, th, [N], tm, trs, tg, tb,
+                                          [True, True, True])[0] + tdr
+        return out
+    F = torch.nn.functional
+    out["torch", "fwd"] = lambda: F.rms_norm(tx + tr, [N], tg, 1e-6)
+    hr, gr = th.detach().requires_grad_(), tg.detach().requires_grad_()
+    yr = F.rms_norm(hr, [N], gr, 1e-6)
+    out["torch", "bwd"] = lambda: torch.autograd.grad(yr, (hr, gr), tdy, retain_graph=True)[0] \
+        + tdr
+    if liger is not None:
+        try:
+            from liger_kernel.ops import fused_add_rms_norm as lf
+
+            y, s_, rs, bs, nw, ns, cm = lf.fused_add_rms_norm_forward(tx, tr, tg, 1e-6, 0.0,
+                                                                      "llama")
+            out["liger", "fwd"] = lambda: lf.fused_add_rms_norm_forward(tx, tr, tg, 1e-6, 0.0,
+                                                                        "llama")
+            out["liger", "bwd"] = lambda: lf.fused_add_rms_norm_backward(
+                tdy, tdr, s_, tg, rs, 0.0, cm, bs, nw, ns, False, True)
+        except Exception:  # Liger refuses rows over 65536 elements: left out
             pass
     return out
 
@@ -422,13 +475,16 @@ def run(shapes, progress=True):
     for op, M, N, dt in it:
         dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
-        for (prov, pass_), us in interleaved_us(cases(op, x, dy, g, b, torch, liger)).items():
-            if isinstance(us, Exception):
-                print(f"{prov} {op} {pass_} {M}x{N} {dt}: {type(us).__name__}: {us}")
-                continue
-            gbs = moved_bytes(op, pass_, M, N, dtype.itemsize, dtype.itemsize) / us / 1e3
-            rows.append({"op": op, "M": M, "N": N, "dtype": dt, "pass": pass_,
-                         "provider": prov, "us": us, "GBs": gbs})
+        for name, made in ((op, cases(op, x, dy, g, b, torch, liger)),
+                           (f"{op}_add", add_cases(f"{op}_add", x, dy, g, b, torch, liger))):
+            for (prov, pass_), us in interleaved_us(made).items():
+                if isinstance(us, Exception):
+                    print(f"{prov} {name} {pass_} {M}x{N} {dt}: {type(us).__name__}: {us}")
+                    continue
+                gbs = moved_bytes(name, pass_, M, N, dtype.itemsize, dtype.itemsize) / us / 1e3
+                rows.append({"op": name, "M": M, "N": N, "dtype": dt, "pass": pass_,
+                             "provider": prov, "us": us, "GBs": gbs})
+            del made
         del x, dy, g, b
         cp.get_default_memory_pool().free_all_blocks()
     rows += module_rows(torch, liger is not None)
@@ -470,7 +526,7 @@ def table(result):
         c = d.get("cupyln")
         if c is None:
             continue
-        peers = [d[k]["us"] for k in ("torch", "liger") if k in d]
+        peers = [d[k]["us"] for k in ("torch", "liger", "cupyln_unfused") if k in d]
         t = d.get("torch", {}).get("us")
         li = d.get("liger", {}).get("us")
         ratio = f"{min(peers) / c['us']:.2f}x" if peers else "-"
