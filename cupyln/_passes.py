@@ -372,9 +372,11 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
         wdtype = dtype if param_dtype is None else np.dtype(param_dtype)
         wdtype = kernel_param_dtype(dtype, wdtype)  # what the calls will launch
         vec = vec_width(dtype, N, (N,), [])
-        for plan in (_plan.plan_fwd, _plan.plan_bwd):
-            plan(dev, config, dtype, wdtype, op == "layernorm", max(M, 1), N, vec)
-            plans += 1
+        is_ln, M = op == "layernorm", max(M, 1)
+        # the arguments as the calls give them (the plans' LRU caches key on them)
+        _plan.plan_fwd(dev, config, dtype, wdtype, is_ln, M, N, vec, None)
+        _plan.plan_bwd(dev, config, dtype, wdtype, is_ln, M, N, vec)
+        plans += 2
     return plans
 
 

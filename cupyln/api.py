@@ -564,7 +564,8 @@ def layer_norm_bwd(
         The gradient of y and the forward's input (its ``h`` where the forward had a
         residual): one shape, one dtype (with ``residual_dtype=float32``, dy in float32 too).
     gamma : array or None
-        The forward's gamma (None: dgamma is None).
+        The forward's gamma (None: dgamma is None), in x's dtype or float32: 16-bit gamma of a
+        forward with ``residual_dtype=float32`` goes in as ``gamma.astype(float32)``.
     mean, rstd : array
         float32, of the leading shape: they say which axes are normalized.
     dresidual : array, optional

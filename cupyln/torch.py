@@ -324,19 +324,21 @@ def _add_backward(ctx, dy, *grads):
     need_b = ctx.has_bias and need[3]
     dh = grads[-1] if need_h else None
     dy = dy.to(h.dtype)  # dy in h's dtype: the backward's rule
+    # parameters in h's dtype or float32 (16-bit weights of a float32 h: widened)
+    w = weight if weight is None or weight.dtype in (h.dtype, torch.float32) else weight.float()
     det = _deterministic(ctx)
     if ctx.is_ln:
         bwd = _ln_bwd_impl if _eager(dy, h) else _ln_bwd
-        dxh, dw, db = bwd(dy, h, weight, *stats, need_h, need_w, need_b, det, dh,
+        dxh, dw, db = bwd(dy, h, w, *stats, need_h, need_w, need_b, det, dh,
                           ctx.weight_offset)
     else:
         bwd = _rms_bwd_impl if _eager(dy, h) else _rms_bwd
-        (dxh, dw), db = bwd(dy, h, weight, *stats, need_h, need_w, det, dh,
-                            ctx.weight_offset), None
+        (dxh, dw), db = bwd(dy, h, w, *stats, need_h, need_w, det, dh, ctx.weight_offset), None
+    pdt = h.dtype if weight is None else weight.dtype
     grads = [dxh.to(ctx.dtypes[0]) if need[0] else None,
-             dxh.to(ctx.dtypes[1]) if need[1] else None, dw if need_w else None]
+             dxh.to(ctx.dtypes[1]) if need[1] else None, dw.to(pdt) if need_w else None]
     if ctx.is_ln:
-        grads.append(db if need_b else None)
+        grads.append(db.to(pdt) if need_b else None)
     return (*grads, *(None,) * (ctx.n_inputs - len(grads)))
 
 

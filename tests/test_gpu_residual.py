@@ -48,6 +48,8 @@ def run_fused(op, M, N, dt, wdt, hdt=None, *, rdt=None, offset=0.0, layout=lambd
     assert_close(rstd, rr, "rstd")
     bkw = {"dresidual": dr, "weight_offset": offset, "deterministic": deterministic,
            "config": config}
+    if g is not None and g.dtype not in (H, F32):  # 16-bit gamma of a float32 h: as float32
+        g = g.astype(F32)
     if op == "ln":
         dx, dg, db = cupyln.layer_norm_bwd(dy, h, g, mean, rstd, **bkw)
     else:

@@ -255,6 +255,7 @@ ADD_CASES = [  # shape, x dtype, residual (and h) dtype, weight dtype
     ((33, 1000), torch.float16, torch.float16, torch.float32),
     ((2, 8, 3000), torch.bfloat16, torch.float32, torch.float32),
     ((5, 4096), torch.float64, torch.float64, torch.float64),
+    ((6, 512), torch.bfloat16, torch.float32, torch.bfloat16),  # 16-bit weights, float32 h
 ]
 
 
