@@ -39,15 +39,24 @@ class Spec(NamedTuple):
     row: bool = False  # forward: rows of one chunk of tpr threads (norm_fwd_row alone)
     hip: bool = False  # ROCm: no staged (cp.async) or cluster kernels
     hdtype: np.dtype | None = None  # forward: the fused residual add's h (its kernels alone)
+    residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
         return f"{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}"
 
     @property
+    def wide(self):
+        """16-byte vectors: the width every aligned row takes. The variants beyond the basic
+        kernels (staged rows, early parameters, rows without column tests, clusters of column
+        tiles) are built for it alone: narrower widths serve rare alignments, where the basic
+        kernels do."""
+        return self.vec * self.dtype.itemsize == 16
+
+    @property
     def stages(self):
-        """Whether the module holds staged kernels: cp.async copies packs of 4 bytes or more."""
-        return not self.hip and self.vec * self.dtype.itemsize >= 4
+        """Whether the module holds staged kernels (cp.async; CUDA, 16-byte vectors)."""
+        return not self.hip and self.wide
 
     def names(self, pass_):
         """The name expression of each kernel of one pass: 'fwd', 'bwd' (rows within a block;
@@ -59,17 +68,24 @@ class Spec(NamedTuple):
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
         acc = CTYPES[ACC_DTYPES[self.dtype]]
+        # the fused add's dresidual: kernels of their own, none with tickets or staged clusters
+        rows = "norm_bwd_add" if self.residual else "norm_bwd"
         names = {
-            "bwd": f"norm_bwd<{a}, cln::direct, cln::partials>",
-            "bwd_last": f"norm_bwd<{a}, cln::direct, cln::last_block_sums>",
+            "bwd": f"{rows}<{a}, cln::direct, cln::partials>",
+            "bwd_last": f"{rows}<{a}, cln::direct, cln::last_block_sums>",
             "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
         }
         if self.stages:
-            names["bwd_staged"] = f"norm_bwd<{a}, cln::staged, cln::partials>"
-            names["bwd_staged_dyn"] = f"norm_bwd<{a}, cln::staged, cln::partials, cln::tickets>"
+            names["bwd_staged"] = f"{rows}<{a}, cln::staged, cln::partials>"
+            if not self.residual:
+                names["bwd_staged_dyn"] = f"norm_bwd<{a}, cln::staged, cln::partials, " \
+                                          "cln::tickets>"
         if pass_ == "bwd_long":  # rows longer than one block: column tiles
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
-            if self.tiles > 1 and not self.hip:  # in clusters of `tiles` blocks
+            clusters = self.tiles > 1 and not self.hip and self.wide
+            if clusters and self.residual:
+                names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, {self.tiles}>"
+            elif clusters:  # in clusters of `tiles` blocks
                 names["bwd_cluster"] = f"norm_bwd_cluster<{a}, cln::direct, {self.tiles}>"
                 if self.stages:
                     staged = f"norm_bwd_cluster<{a}, cln::staged, {self.tiles}>"
@@ -97,11 +113,11 @@ class Spec(NamedTuple):
         if self.stages:
             names["fwd_staged"] = f"norm_fwd<{a}, cln::staged, cln::params_late, cln::cols_tested>"
         # gamma/beta loaded with the row: 4-byte and wider types only (2-byte ones spill)
-        early = self.npt > 1 and self.dtype.itemsize >= 4
+        early = self.npt > 1 and self.dtype.itemsize >= 4 and self.wide
         if early:
             names["fwd_early"] = f"{fwd}, cln::params_early, cln::cols_tested>"
         # LayerNorm rows that are a whole number of chunks: no column tests
-        if self.is_ln:
+        if self.is_ln and self.wide:
             names["fwd_full"] = f"{fwd}, cln::params_late, cln::cols_full>"
             if early:
                 names["fwd_early_full"] = f"{fwd}, cln::params_early, cln::cols_full>"
@@ -113,7 +129,8 @@ class Spec(NamedTuple):
             f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
             + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
-            + (f", h={self.hdtype}]" if self.hdtype is not None else "]")
+            + (f", h={self.hdtype}" if self.hdtype is not None else "")
+            + (", dresidual]" if self.residual else "]")
         )
 
 

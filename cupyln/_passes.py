@@ -50,8 +50,7 @@ class HotFwd:
     __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "hmask",
                  "is_ln", "ext", "add", "ldr")
 
-    def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, woff=0.0,
-                 ldr=0):
+    def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, ldr=0):
         hdtype = plan.spec.hdtype
         self.add = hdtype is not None  # the fused residual add: h after the statistics
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
@@ -60,7 +59,7 @@ class HotFwd:
         self.given = given if given and any(given) else None  # which outputs out= gives
         self.layout = Layout([p for i, p in enumerate(parts)
                                if self.given is None or not self.given[i]])
-        self.consts = (ldx, M, N, eps, woff)
+        self.consts = (ldx, M, N, eps)
         self.ext = Extents()
         v = plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
@@ -103,7 +102,7 @@ class HotBwd:
                  "partial", "scratch_only", "ldres")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
-                 ldx, lddy, M, N, woff=0.0, ldres=None):
+                 ldx, lddy, M, N, ldres=None):
         acc = ACC_DTYPES[plan.spec.dtype]
         parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
         self.dev, self.want = dev, want
@@ -133,7 +132,7 @@ class HotBwd:
         offs = iter(self.layout.scratch)
         self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
         self.scratch_only = not new and self.layout.nbytes > 0
-        self.consts = (ldx, lddy, M, N, P, own, woff)
+        self.consts = (ldx, lddy, M, N, P, own)
         self.ldres = ldres  # the fused add's dresidual: its row stride (None: no dresidual)
         self.ext = Extents()
         v = plan.spec.vec
@@ -157,7 +156,7 @@ class HotBwd:
         if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd, dres),
                                            (dyp, xp, gp, mp, rp, drp, *map(ptr, given))):
             return None
-        ldx, lddy, M, N, P, own, woff = self.consts
+        ldx, lddy, M, N, P, own = self.consts
         base = 0 if mem is None else mem.ptr
         rsp = 0 if self.rowsums is None else base + self.rowsums
         launch = self.launch
@@ -166,7 +165,7 @@ class HotBwd:
             # a replay writes to this scratch, and no output keeps it: it must outlive the call
             _CAPTURED.append(mem)
         if rsp:
-            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N, woff)
+            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = 0 if self.partial is None else base + self.partial
         cnt = ap = tk = 0
         if self.counted:
@@ -178,7 +177,7 @@ class HotBwd:
             if self.dynamic:  # the rows' ticket counter, after the last block's
                 tk = scratch + _TICKETS
         self.main(stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk, pp, M,
-                  N, drp, self.ldres or 0, woff)
+                  N, drp, self.ldres or 0)
         if pp and "reduce" in launch:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
         return dx, dgamma, dbeta
@@ -255,6 +254,7 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         N = math.prod(x.shape[x.ndim - k :])
         if not M:
             return _empty_forward(x, lead, is_ln, hdtype, out)
+        gamma = _offset(gamma, x.dtype, woff)
         g2, b2 = (flat(_kernel_params(p, x.dtype, gamma, beta)) for p in (gamma, beta))
         xr, ldx = rows(x, k, N)
         r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
@@ -272,7 +272,7 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype)
-        hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, woff, ldr)
+        hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:
             remember(hot)
         return hot(xr, g2, b2, out, r2)
@@ -297,7 +297,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
     wdtype = param_dtype(gamma, x.dtype)
     dev = x.data.device_id
     with _on_device(dev):
-        if kernel_param_dtype(x.dtype, wdtype) != wdtype:
+        if woff or kernel_param_dtype(x.dtype, wdtype) != wdtype:
             return _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out,
                                      config, dres, woff)
         norm_shape = x.shape[x.ndim - k :]
@@ -317,11 +317,15 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         # vector accesses: x, dy, dx, dresidual and gamma (dgamma/dbeta are per element)
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
         vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
-        plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec)
+        if drr is None:
+            plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec)
+        else:
+            plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N,
+                                  add_vec(x.dtype, vec), True)
         partials = deterministic or not config.bwd.atomic_flush
         dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
-                       dynamic, ldx, lddy, M, N, woff, ldres)
+                       dynamic, ldx, lddy, M, N, ldres)
         if remember is not None and as_is:
             remember(hot)
         return hot(dyr, xr, g2, m2, r2, out, drr)
@@ -343,14 +347,24 @@ def _empty_backward(x_shape, norm_shape, dtype, wdtype, want, out):
 
 def _widened_backward(dy, x, gamma, mean, rstd, k, want, deterministic, out, config, dres,
                       woff):
-    """float64 rows with float32 gamma: the float64 kernels, gamma widened and dgamma/dbeta
-    narrowed on the host (N-vectors: a pair of kernels fewer to build for a rare case)."""
+    """gamma in the accumulation dtype, plus ``woff`` (the weight offset): float64 rows with
+    float32 gamma, and any offset (added once on the N-vector: the kernels stay as they are).
+    dgamma/dbeta come back in gamma's dtype (N-vectors, cast on the device)."""
     dx_out = None if out is None else out[0]
-    dx, dg, db = backward(dy, x, gamma.astype(x.dtype), mean, rstd, k, *want, deterministic,
-                          None if dx_out is None else (dx_out, None, None), None, config, dres,
-                          woff)
+    dx, dg, db = backward(dy, x, _offset(gamma, x.dtype, woff, True), mean, rstd, k, *want,
+                          deterministic, None if dx_out is None else (dx_out, None, None), None,
+                          config, dres)
     given = out or (None, None, None)
     return dx, *(_narrowed(g, o, gamma.dtype) for g, o in zip((dg, db), given[1:], strict=True))
+
+
+def _offset(gamma, x_dtype, woff, widen=False):
+    """gamma + woff in the dtype the kernels compute in (gamma itself without an offset, unless
+    ``widen``): the weight offset, added in float32 (float64 for float64 rows)."""
+    if gamma is None or not (woff or widen):
+        return gamma
+    acc = ACC_DTYPES[x_dtype]
+    return gamma.astype(acc) + acc.type(woff) if woff else gamma.astype(acc)
 
 
 def _narrowed(grad, out, dtype):

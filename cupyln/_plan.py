@@ -128,10 +128,11 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
     for t, w in PARAM_PAIRS:
         for ln in (True, False):
             for v in vec_options(t):
+                add = v in (vec_options(t)[0], 1)  # the fused add's widths (add_vec)
                 for n in (1, 2, 4):
                     if n <= fc.npt:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
-                        if v in (vec_options(t)[0], 1):  # the fused add's widths (add_vec)
+                        if add:
                             for h in h_dtypes(t):
                                 names.update(Spec(t, w, ln, v, n, warp, hip=hip, hdtype=h)
                                              .names("fwd").values())
@@ -146,6 +147,9 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
                             continue  # one cluster alone: clusters only
                         names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip)
                                      .names(pass_).values())
+                        if add and not (tiles > 1 and pass_ == "bwd"):  # no csum for the add
+                            names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip,
+                                              residual=True).names(pass_).values())
     return names
 
 
@@ -232,10 +236,10 @@ class Plan:
 
 
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
-_FWD_ARGS = "pipppppiiXX"
+_FWD_ARGS = "pipppppiiX"
 _FWD_ADD_ARGS = _FWD_ARGS + "pip"  # then the residual, its row stride, h
-_BWD_ARGS = "pipipppppppppppiipiX"
-_ROWSUMS_ARGS = "pipippppiiX"
+_BWD_ARGS = "pipipppppppppppiipi"  # ..., M, N, then dresidual and its row stride
+_ROWSUMS_ARGS = "pipippppii"
 _REDUCE_ARGS = "piipp"
 
 
@@ -283,7 +287,8 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     kerns = _compile.kernels(spec, "fwd", config.source)
     main = "fwd_row" if rg else "fwd" if g.fits else "fwd_chunked"
     block, smem = (g.tpr, g.rpb), 0
-    stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if main == "fwd" else 0
+    staged = main == "fwd" and "fwd_staged" in kerns
+    stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if staged else 0
     if stage:
         threads = g.tpr * g.rpb
         resident = info.sms * blocks_per_sm(kerns["fwd_staged"], threads, stage, info)
@@ -310,43 +315,48 @@ def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 
-def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec):
+def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     """Rows longer than one block: (spec, kernels, block, tiles, cluster) of a cluster of
     ``cluster_tiles`` column tiles where the row fits in them and the driver can place one,
     else of ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
     tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
-    if info.clusters and cfg.cluster and tpr <= bwd_threads(cfg.cluster_npt):
-        spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles)
+    wide = vec * dtype.itemsize == 16  # clusters are built for 16-byte vectors (Spec.wide)
+    if info.clusters and cfg.cluster and wide and tpr <= bwd_threads(cfg.cluster_npt):
+        spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
+                    residual=residual)
         kerns = _compile.kernels(spec, "bwd_long", config.source)
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
                                        0) > 0:
             return spec, kerns, (tpr, 1), cfg.cluster_tiles, True
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, hip=info.hip)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, hip=info.hip,
+                residual=residual)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
-    """Backward geometry. The grid depends only on (device, config, dtypes, M, N, vec), so the
+def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=False):
+    """Backward geometry (``residual``: the fused add's kernels, dresidual added to dx; vec
+    from add_vec). The grid depends only on (device, config, dtypes, M, N, vec), so the
     deterministic reduction order is the same on every call."""
     info, cfg = device_info(dev_id), config.bwd
     g = bwd_geometry(cfg, N // vec, info.warp)
-    csum = _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g)
+    csum = None if residual else _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g)
     if csum is not None:
         return csum
     fused = g.fits and cdiv(M, g.rpb) <= cfg.fused_reduce_blocks and N <= g.tpr * g.rpb
     if not fused:
         g = spread(g, M, info.warp, int(cfg.spread * info.sms))
     if g.fits:
-        spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip)
+        spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip,
+                    residual=residual)
         kerns = _compile.kernels(spec, "bwd", config.source)
         block, tiles, cluster = (g.tpr, g.rpb), 1, False
         colsum = colsum_bytes(g, g.rpb, vec, dtype)
     else:
         spec, kerns, block, tiles, cluster = _bwd_long_kernels(config, info, dtype, wdtype,
-                                                               is_ln, N, vec)
+                                                               is_ln, N, vec, residual)
         colsum = 0
 
     def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
@@ -360,7 +370,7 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
     grid, smem = grid_of(kerns[main], colsum), colsum
     stage = staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype)
     loops = block[0] > info.warp and M > grid[0] * block[1]
-    if stage and stages(cfg.stage, loops):
+    if stage and stages(cfg.stage, loops) and main + "_staged" in kerns:
         main += "_staged"
         smem = max(colsum, stage)
         grid = grid_of(kerns[main], smem)
@@ -369,22 +379,21 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec):
     # reductions' block barrier orders the tickets' hand-on), one column tile, fewer than 2^31
     # groups of rows (counted in 32 bits), on the grid that both kernels fit
     dyn = (cfg.dynamic and main == "bwd_staged" and block[0] > info.warp and tiles == 1
-           and cdiv(M, block[1]) < 2**31)
+           and cdiv(M, block[1]) < 2**31 and "bwd_staged_dyn" in kerns)
     if dyn:
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
     if not g.fits and not cluster:
         rs_grid = (min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4),)
         launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (cfg.rowsums_tpr, 1), 0,
-                                     _kinds(_ROWSUMS_ARGS, dtype))
+                                     _ROWSUMS_ARGS)
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:
         launch["reduce"] = Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0,
                                     _REDUCE_ARGS)
-    args = _kinds(_BWD_ARGS, dtype)
-    launch["bwd"] = Launcher(kerns[main], grid, block, smem, args)
+    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
     if dyn:
-        launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, args)
+        launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -407,7 +416,7 @@ def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):
     block = (g.tpr, rpb)
     if _driver.max_active_clusters(kern, (cfg.csum_blocks, 1), block, smem) < 1:
         return None
-    launch = {"bwd": Launcher(kern, (cfg.csum_blocks,), block, smem, _kinds(_BWD_ARGS, dtype))}
+    launch = {"bwd": Launcher(kern, (cfg.csum_blocks,), block, smem, _BWD_ARGS)}
     return Plan(spec, "bwd_csum", kern, (cfg.csum_blocks, 1), block, smem, launch)
 
 

@@ -1,8 +1,8 @@
 // Backward pass of LayerNorm (LN = true) and RMSNorm (LN = false), one template family.
 //
-//   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * (gamma + woff)
+//   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * gamma
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dres   (RMSNorm: no mean(g) term;
-//   dres, the fused residual add's gradient from the residual stream, where given)
+//   dres, the fused residual add's gradient from the residual stream, in its own kernels)
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 //
 // norm_bwd reads x and dy once: it computes dx row by row and, in the same pass, accumulates the
@@ -40,10 +40,10 @@ __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1
       T *__restrict__ dx, W *__restrict__ dgamma, W *__restrict__ dbeta,                     \
       typename Acc<T>::type *__restrict__ accum, unsigned int *__restrict__ counter,          \
       unsigned int *__restrict__ tickets, typename Acc<T>::type *__restrict__ partial,        \
-      cl_i64 M, cl_i64 N, const T *__restrict__ dres, cl_i64 ldres, typename Acc<T>::type woff
+      cl_i64 M, cl_i64 N, const T *__restrict__ dres, cl_i64 ldres
 #define CLN_BWD_ARGS \
   dy, lddy, x, ldx, gamma, mean, rstd, rowsums, dx, dgamma, dbeta, accum, counter, tickets, \
-      partial, M, N, dres, ldres, woff
+      partial, M, N, dres, ldres
 
 // CL > 1: the blocks of a cluster of CL (gridDim.y == CL) split each row into CL column tiles
 // and add their row sums through the cluster (cluster_allreduce); rowsums is then NULL.
@@ -52,8 +52,10 @@ __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1
 // below.
 // XC > 1: the grid is one cluster of XC blocks (gridDim.x == XC), which sum dgamma/dbeta through
 // distributed shared memory (ClusterSums); partial, accum and counter are then unused.
+// ADD: the fused residual add's backward, dres (row stride ldres) added to dx; a compile-time
+// choice, so the other kernels keep their registers and instructions.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool LAST, int XC = 1, bool DYN = false>
+          bool LAST, int XC = 1, bool DYN = false, bool ADD = false>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
@@ -202,7 +204,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 #pragma unroll
       for (int k = 0; k < NPT; ++k)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) g[k][j] *= (C)elem(gp[k], j) + woff;
+        for (int j = 0; j < VEC; ++j) g[k][j] *= (C)elem(gp[k], j);
     }
     C s[2] = {C(0), C(0)};
 #pragma unroll
@@ -232,7 +234,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         C o[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
-        if (dres) {  // the fused residual add's gradient from the residual stream
+        if constexpr (ADD) {  // the fused residual add's gradient from the residual stream
           const Pack<T, VEC> r = *reinterpret_cast<const Pack<T, VEC>*>(dres + row * ldres + col);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
@@ -355,6 +357,21 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd(CLN_BWD_PARAMS)
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN>(CLN_BWD_ARGS);
 }
 
+// The fused residual add's backward (bwd_rows' ADD): rows within a block or column tiles, direct
+// or staged, and long rows in clusters of CL column tiles (direct). Built for 16-byte vectors and
+// single elements only, as the fused forward.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST>
+__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_add(CLN_BWD_PARAMS) {
+  static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, false, true>(CLN_BWD_ARGS);
+}
+
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL>
+__global__ void __launch_bounds__(bwd_max_threads(NPT))
+CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_add_cluster(CLN_BWD_PARAMS) {
+  bwd_rows<T, W, LN, VEC, NPT, WARP, false, CL, false, 1, false, true>(CLN_BWD_ARGS);
+}
+
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
 // where the rows fit in its blocks at once: bwd.cluster_sums).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC>
@@ -379,7 +396,7 @@ __global__ void __launch_bounds__(1024)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
                  const W* __restrict__ gamma, const float* __restrict__ mean,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
-                 cl_i64 M, cl_i64 N, typename Acc<T>::type woff) {
+                 cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
@@ -398,8 +415,6 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
         load_vec<VEC>(dyr + col, dv);
         if (gamma) {
           load_vec<VEC>(gamma + col, g);
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) g[j] += woff;
         } else {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) g[j] = C(1);

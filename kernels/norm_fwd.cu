@@ -63,8 +63,8 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
-// Output of one chunk. The scale is gamma + woff (the weight offset, 0 unless asked for).
-// gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
+// Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
+// they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
 // ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0
 // included), for kernels whose time is one row's chain. Beta is added in the product's rounding
 // (one fused multiply-add) on every path: left to nvcc, the four cases fused it for float16
@@ -73,7 +73,7 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
           typename C, typename R, typename H>
 __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
-                                            C rstd, C woff, const W* __restrict__ gamma,
+                                            C rstd, const W* __restrict__ gamma,
                                             const W* __restrict__ beta, T* __restrict__ yr,
                                             const H (&hg)[NPT], const H (&hb)[NPT]) {
 #pragma unroll
@@ -85,7 +85,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
       static_assert(HELD, "one path: gamma/beta held");
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const C scale = rstd * (gamma ? (C)elem(hg[k], j) + woff : C(1));
+        const C scale = rstd * (gamma ? (C)elem(hg[k], j) : C(1));
         o[j] = cl_fma((C)elem(p[k], j) - mu, scale, beta ? (C)elem(hb[k], j) : C(-0.0));
       }
     } else {
@@ -94,7 +94,7 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
       auto out = [&](const auto& g, const auto& b, auto G, auto B) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const C scale = decltype(G)::value ? rstd * ((C)elem(g, j) + woff) : rstd;
+          const C scale = decltype(G)::value ? rstd * (C)elem(g, j) : rstd;
           const C d = (C)elem(p[k], j) - mu;
           o[j] = decltype(B)::value ? cl_fma(d, scale, (C)elem(b, j)) : d * scale;
         }
@@ -134,7 +134,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
-                                         typename Acc<T>::type eps, typename Acc<T>::type woff,
+                                         typename Acc<T>::type eps,
                                          const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                          H* __restrict__ hout = nullptr) {
   static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
@@ -208,7 +208,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       } else if constexpr (CHUNKED) {
         load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
       }
-      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, woff, gamma, beta,
+      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
                                         y + row * N, hg, hb);
     }
   }
@@ -218,8 +218,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
 #define CLN_FWD_PARAMS                                                                        \
   const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
       T *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, cl_i64 M, \
-      cl_i64 N, typename Acc<T>::type eps, typename Acc<T>::type woff
-#define CLN_FWD_ARGS x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps, woff
+      cl_i64 N, typename Acc<T>::type eps
+#define CLN_FWD_ARGS x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps
 
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
           bool FULL>
@@ -291,6 +291,6 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
     rstd_out[row] = (float)rstd;
   }
   // one code path for the output: 0.03-0.13 us faster than the four cases
-  write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, woff, gamma, beta,
+  write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta,
                                           y + row * (int)N, hg, hb);
 }

@@ -75,7 +75,8 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         dynamic |= pass_ == "bwd" and plan.dynamic
         staged = plan.variant.endswith("_staged")
         once = plan.variant == "fwd_chunked" or plan.spec.row  # rows never staged
-        can = _plan.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize >= 4
+        # staged kernels: cp.async, 16-byte vectors (Spec.wide)
+        can = _plan.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize == 16
         assert staged == (can and not once and mode == "always"), (mode, plan.grid)
         assert (plan.smem > 0) >= staged
         check_case(op, *case, config=cfg)
@@ -210,7 +211,8 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
         out[full] = cupyln.layer_norm_fwd(x, g, b, config=plans.config)
         (plan,) = plans
         multiple = N % (plan.block[0] * plan.spec.npt * plan.spec.vec) == 0
-        assert plan.variant.endswith("_full") == (full and multiple), plan.variant
+        wide = plan.spec.vec * dt.itemsize == 16  # the variant is built for 16-byte vectors
+        assert plan.variant.endswith("_full") == (full and multiple and wide), plan.variant
         check_case("ln", x_h, dy_h, g_h, b_h, config=plans.config)
     far = (x_h.astype(np.float64) + 1000 * x_h.astype(np.float64).std()).astype(dt)
     check_case("ln", far, dy_h, g_h, b_h, config=plans.config)  # fwd.full on
@@ -282,7 +284,8 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         cfg = plans.config.bwd
         npt = cfg.cluster_npt
         fits = N // plan.spec.vec <= cfg.cluster_tiles * npt * _plan.bwd_threads(npt)
-        assert cluster == (on and info.clusters and fits), plan.grid
+        wide = plan.spec.vec * dt.itemsize == 16  # clusters are built for 16-byte vectors
+        assert cluster == (on and info.clusters and fits and wide), plan.grid
         assert ("rowsums" in plan.launch) != cluster
         assert plan.grid[1] == cfg.cluster_tiles or not cluster
 

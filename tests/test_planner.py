@@ -115,10 +115,11 @@ _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
-                      hdtype=None):
+                      hdtype=None, residual=False):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
-    it asked for, by variant name. ``hdtype``: the forward's fused residual add."""
+    it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
+    and backward."""
     from unittest import mock
 
     from cupyln._dtypes import BFLOAT16
@@ -141,6 +142,9 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         if hdtype is not None:
             return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N,
                                               add_vec(dtype, vec), hdtype), built
+        if residual:
+            return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N,
+                                              add_vec(dtype, vec), True), built
         planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec), built
 
@@ -156,9 +160,10 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
 @example("float32", 4096, 2048, 64)
 def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     """The forward planner takes a kernel of the module it compiles; the kernel that loads
-    gamma/beta with the row wherever that module has it (4-byte and wider types, several vectors
-    per thread, outside the row kernel's module), and no other kernel where it has it but a plain row would run; the variant
-    without column tests exactly where a direct row's length is a multiple of its chunk; the
+    gamma/beta with the row wherever that module has it (4-byte and wider types, 16-byte
+    vectors, several per thread, outside the row kernel's module), and no other kernel where it
+    has it but a plain row would run; the variant without column tests exactly where a direct
+    row of 16-byte vectors is a multiple of its chunk; the
     row's threads fixed at compile time, at the block's width, in the row kernel alone; that
     kernel (and its module alone) exactly on
     rows of 16-byte vectors, the grid covering M, M x N below 2^31: one vector per thread in
@@ -168,7 +173,9 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp)
     assert plan.variant in built
     early = "fwd_early" in built
-    assert early == (plan.spec.npt > 1 and plan.spec.dtype.itemsize >= 4 and not plan.spec.row)
+    wide = plan.spec.vec * plan.spec.dtype.itemsize == 16
+    assert early == (plan.spec.npt > 1 and plan.spec.dtype.itemsize >= 4 and not plan.spec.row
+                     and wide)
     base = plan.variant.removesuffix("_full")
     assert base != "fwd" or not early
     assert base != "fwd_early" or early
@@ -188,7 +195,7 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
     chunk = tpr * npt * vec
     direct = base in ("fwd", "fwd_early", "fwd_row")
-    assert plan.variant.endswith("_full") == (direct and N % chunk == 0)
+    assert plan.variant.endswith("_full") == (direct and N % chunk == 0 and wide)
     assert plan.spec.tpr == (tpr if one_row else 0)  # fixed threads: the row kernel alone
 
 
@@ -258,6 +265,22 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip)
     if not plain.spec.row:  # the general path's geometry, where the plain forward takes it
         assert plan.block == plain.block or plan.spec.vec != plain.spec.vec
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 17), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
+    """The backward with dresidual builds only the fused add's kernels (in the offline list):
+    rows in a block, staged or not, column tiles, clusters of tiles; never one cluster of all
+    rows nor rows from tickets."""
+    hip = target == "hip"
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip,
+                                    residual=True)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    assert all(n.startswith(("norm_bwd_add", "norm_bwd_rowsums", "norm_bwd_reduce"))
+               for n in built.values())
+    assert plan.spec.residual and not plan.dynamic and plan.variant != "bwd_csum"
+    assert plan.spec.vec in (16 // plan.spec.dtype.itemsize, 1)
 
 
 def test_plan_caches_are_bounded():
