@@ -230,8 +230,9 @@ def cases(op, x, dy, g, b, torch, liger, deterministic=False, config=None):
 
 def add_cases(op, x, dy, g, b, torch, liger):
     """{(provider, pass): callable} of the fused residual add (``op`` "layernorm_add" or
-    "rmsnorm_add", h in x's dtype): cupyln fused, cupyln's add then norm ("cupyln_unfused"),
-    torch eager add then norm, and Liger's fused-add RMSNorm."""
+    "rmsnorm_add", h in x's dtype): cupyln fused, cupyln's norm with a separate add
+    ("cupyln_unfused"; torch's add where torch is present: CuPy's bfloat16 add is slow), torch
+    eager add then norm, and Liger's fused-add RMSNorm."""
     r, dr = x[::-1].copy(), dy[::-1].copy()  # residual and its gradient: other values
     ln = op == "layernorm_add"
     fwd = cupyln.layer_norm_fwd if ln else cupyln.rms_norm_fwd
@@ -239,11 +240,28 @@ def add_cases(op, x, dy, g, b, torch, liger):
     par = (g, b) if ln else (g,)
     *_, h = fwd(x, *par, residual=r)
     stats = fwd(h, *par)[1:]
-    hs = cp.empty_like(x)
+    hs, dxs = cp.empty_like(x), cp.empty_like(x)
+    none = (None,) * len(par)  # the parameter gradients' out= entries
+    if torch is None:
+        def add(a, c, o):
+            cp.add(a, c, out=o)
+    else:
+        wrapped = {id(a): _to_torch(torch, a) for a in (x, r, dr, hs, dxs)}
+
+        def add(a, c, o):
+            torch.add(wrapped[id(a)], wrapped[id(c)], out=wrapped[id(o)])
+
+    def unfused_fwd():
+        add(x, r, hs)
+        return fwd(hs, *par)
+
+    def unfused_bwd():
+        bwd(dy, h, g, *stats, out=(dxs, *none))
+        add(dxs, dr, dxs)
+
     out = {("cupyln", "fwd"): lambda: fwd(x, *par, residual=r),
            ("cupyln", "bwd"): lambda: bwd(dy, h, g, *stats, dresidual=dr),
-           ("cupyln_unfused", "fwd"): lambda: fwd(cp.add(x, r, out=hs), *par),
-           ("cupyln_unfused", "bwd"): lambda: cp.add(bwd(dy, h, g, *stats)[0], dr)}
+           ("cupyln_unfused", "fwd"): unfused_fwd, ("cupyln_unfused", "bwd"): unfused_bwd}
     if torch is None:
         return out
     N = x.shape[-1]
