@@ -16,6 +16,8 @@ def add_bench_arguments(ap):
     ap.add_argument("--shape", nargs=4, action="append", metavar=("OP", "M", "N", "DTYPE"),
                     default=[], help="an extra shape, e.g. layernorm 4096 1024 float16")
     ap.add_argument("--only", action="store_true", help="only the --shape shapes")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="leave out the long-row sweep (LayerNorm bfloat16, M*N = 2^27)")
     ap.add_argument("--out", default="bench.json", help="JSON output path (default bench.json)")
     ap.add_argument("--plot", default=None, help="PNG plot path (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -478,23 +478,32 @@ def load_shapes(path=None):
     return [(op, M, N, dt) for op in ("layernorm", "rmsnorm") for M, N, dt in d.get(op, [])]
 
 
-def run(shapes, progress=True):
+# The sweep of the plot's second panel: LayerNorm bfloat16 rows of N from 256 to 1,048,576 (and
+# two lengths no vector width divides) at M * N = 2^27 elements, the plain passes only.
+SWEEP = [("layernorm", 2**27 // n, n, "bfloat16")
+         for n in sorted([2**k for k in range(8, 21)] + [3583, 50257])]
+
+
+def run(shapes, progress=True, sweep=()):
     torch, liger = _torch(), _liger()
     copy = copy_bandwidth()
     rows = []
-    it = shapes
+    jobs = [(s, True) for s in shapes] + [(s, False) for s in sweep if s not in shapes]
+    it = jobs
     if progress:
         try:
             from tqdm import tqdm
 
-            it = tqdm(shapes, desc="benchmark", unit="shape")
+            it = tqdm(jobs, desc="benchmark", unit="shape")
         except ImportError:  # tqdm comes with the bench extra
             pass
-    for op, M, N, dt in it:
+    for (op, M, N, dt), with_add in it:
         dtype = dtype_of(dt)
         x, dy, g, b = make_inputs(M, N, dtype)
-        for name, made in ((op, cases(op, x, dy, g, b, torch, liger)),
-                           (f"{op}_add", add_cases(f"{op}_add", x, dy, g, b, torch, liger))):
+        ops = [(op, cases(op, x, dy, g, b, torch, liger))]
+        if with_add:
+            ops.append((f"{op}_add", add_cases(f"{op}_add", x, dy, g, b, torch, liger)))
+        for name, made in ops:
             for (prov, pass_), us in interleaved_us(made).items():
                 if isinstance(us, Exception):
                     print(f"{prov} {name} {pass_} {M}x{N} {dt}: {type(us).__name__}: {us}")
@@ -502,7 +511,7 @@ def run(shapes, progress=True):
                 gbs = moved_bytes(name, pass_, M, N, dtype.itemsize, dtype.itemsize) / us / 1e3
                 rows.append({"op": name, "M": M, "N": N, "dtype": dt, "pass": pass_,
                              "provider": prov, "us": us, "GBs": gbs})
-            del made
+        ops = made = None  # the closures hold the arrays
         del x, dy, g, b
         cp.get_default_memory_pool().free_all_blocks()
     rows += module_rows(torch, liger is not None)
@@ -560,12 +569,14 @@ def table(result):
 
 
 def plot(result, path, M=4096, dtype="float16", op="layernorm"):
+    """GB/s against N: forward and backward at M rows (two panels), and the sweep at M * N =
+    2^27 (third panel, bfloat16, both passes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4), sharey=True)
     for ax, p in zip(axes, ("fwd", "bwd"), strict=True):
         for prov in ("cupyln", "torch", "liger"):
             pts = sorted((r["N"], r["GBs"]) for r in result["rows"]
@@ -578,6 +589,22 @@ def plot(result, path, M=4096, dtype="float16", op="layernorm"):
         ax.set_xlabel("N")
         ax.set_title(f"{op} {p}, M={M}, {dtype}")
         ax.grid(alpha=0.3)
+    ax = axes[2]
+    for prov, color in (("cupyln", "C0"), ("torch", "C1"), ("liger", "C2")):
+        for p, ls in (("fwd", "-"), ("bwd", "--")):
+            pts = sorted((r["N"], r["GBs"]) for r in result["rows"]
+                         if r["provider"] == prov and r["pass"] == p and r["op"] == "layernorm"
+                         and r["M"] * r["N"] == 2**27 - 2**27 % r["N"]
+                         and r["dtype"] == "bfloat16" and r["GBs"])
+            if len(pts) > 2:
+                ax.plot(*zip(*pts, strict=True), ls, marker=".", color=color,
+                        label=f"{prov} {p}")
+    ax.axhline(result["copy_GBs"], color="gray", ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (M·N = 2^27)")
+    ax.set_title("layernorm, bfloat16, M·N = 2^27")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     axes[0].set_ylabel("GB/s")
     axes[1].legend()
     fig.tight_layout()
@@ -588,7 +615,8 @@ def run_args(a):
     """Run the benchmark for parsed arguments (see cupyln._cli.add_bench_arguments)."""
     shapes = [] if a.only else load_shapes(a.shapes)
     shapes += [(op, int(M), int(N), dt) for op, M, N, dt in a.shape]
-    result = run(shapes, progress=not a.no_progress)
+    result = run(shapes, progress=not a.no_progress,
+                 sweep=() if a.only or a.no_sweep else SWEEP)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     if a.plot:
