@@ -24,6 +24,117 @@
 // memory while it reduces this one, so the row's loads stay in flight through its reductions.
 #include "bwd_common.cuh"
 
+// The flush policy of bwd_rows, after its rows: each block's dgamma/dbeta sums (acc_g, acc_b:
+// this thread's columns from c0) leave the block, to their owners in one cluster (XC > 1,
+// ClusterSums, whose owners then write dgamma/dbeta), to this block's row of partials (summed
+// by norm_bwd_reduce, or here by the last block where LAST), or by float32 atomics into `accum`
+// (the last block casts and zeroes them).
+template <typename W, int VEC, int NPT, int XC, bool LAST, typename C, typename CS>
+__device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
+                                             const C (&acc_b)[NPT][VEC], CS& csum, cl_i64 c0,
+                                             cl_i64 N, W* __restrict__ dgamma,
+                                             W* __restrict__ dbeta, C* __restrict__ accum,
+                                             unsigned int* __restrict__ counter,
+                                             C* __restrict__ partial) {
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  const bool want_g = dgamma != nullptr, want_b = dbeta != nullptr;
+  const int t = threadIdx.x;
+  const int threads = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + t;
+  if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
+  C* buf = reinterpret_cast<C*>(cl_smem) + (XC > 1 ? XC * csum.per : 0);
+  C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;  // this block's partials
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;  // first column of vector k
+    if (blockDim.y == 1) {
+      // one row per block: the thread's own columns, partials as one vector store each
+      // (scattered scalar stores had cost the N = 8192 backwards 15-30%)
+      const cl_i64 col = base + (cl_i64)t * VEC;
+      if (col >= N) continue;
+      if constexpr (XC > 1) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (want_g) csum.send(col + j, acc_g[k][j]);
+          if (want_b) csum.send(N + col + j, acc_b[k][j]);
+        }
+      } else if (partial) {
+        if (want_g) store_vec<VEC>(prow + col, acc_g[k]);
+        if (want_b) store_vec<VEC>(prow + N + col, acc_b[k]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
+          if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
+        }
+      }
+      continue;
+    }
+    // several rows: summed over the block's rows first (uniform branch: every thread is here)
+    auto flush_to = [&](cl_i64 off) {
+      return [&, off](int c, C s) {
+        const cl_i64 col = base + c;
+        if (col >= N) return;
+        if constexpr (XC > 1) csum.send(off + col, s);
+        else if (partial) prow[off + col] = s;
+        else atomicAdd(accum + off + col, s);
+      };
+    };
+    if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
+    if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
+  }
+  if constexpr (XC > 1) {
+    csum.finish(2 * N, [&](cl_i64 c, C s) {
+      if (c < N) {
+        if (want_g) dgamma[c] = Store<W>::cvt(s);
+      } else if (want_b) {
+        dbeta[c - N] = Store<W>::cvt(s);
+      }
+    });
+    return;
+  }
+  // Only the LAST variant has the last-block sums: compiled into the other kernels that code
+  // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16.
+  if (partial && !(LAST && counter)) return;  // summed by norm_bwd_reduce
+
+  // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
+  // few blocks, the host's choice) it sums every block's row as norm_bwd_reduce would; with the
+  // atomic flush it casts the sums and zeroes them again. The ticket wraps back to 0 after the
+  // last block, so the counter and the accumulators are ready for the next launch without a
+  // memset.
+  __shared__ bool is_last;
+  __threadfence();
+  __syncthreads();
+  const unsigned int blocks = gridDim.x * gridDim.y;
+  if (tid == 0) is_last = atomicInc(counter, blocks - 1) == blocks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (LAST && partial) {
+#pragma unroll 4
+    for (cl_i64 c = tid; c < 2 * N; c += threads) {
+      const bool is_g = c < N;
+      if (!(is_g ? want_g : want_b)) continue;
+      C s[8], tot = C(0);
+      partial_groups<8, true>(partial + c, 0, gridDim.x, 2 * N, s);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) tot += s[r];
+      if (is_g) dgamma[c] = Store<W>::cvt(tot);
+      else dbeta[c - N] = Store<W>::cvt(tot);
+    }
+    return;
+  }
+  volatile C* acc = accum;
+  for (cl_i64 c = tid; c < 2 * N; c += (cl_i64)blockDim.x * blockDim.y) {
+    const bool is_g = c < N;  // [0, N): dgamma, [N, 2N): dbeta
+    if (!(is_g ? want_g : want_b)) continue;
+    const C s = acc[c];
+    acc[c] = C(0);
+    if (is_g) dgamma[c] = Store<W>::cvt(s);
+    else dbeta[c - N] = Store<W>::cvt(s);
+  }
+}
+
 // One vector per thread fits 1024-thread blocks in 64 registers; two need up to 128: the
 // backward kernels' launch bound (the host's _bwd_threads).
 __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1024 : 512; }
@@ -254,98 +365,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // their way into another block's shared memory
   if constexpr (CL > 1) cluster_sync();
   if constexpr (XC > 1) csum.ready();
-  if (!want_g && !want_b) return;  // uniform: no barrier below is skipped by part of a block
-  C* buf = reinterpret_cast<C*>(cl_smem) + (XC > 1 ? XC * csum.per : 0);
-  C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;  // this block's partials
-#pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const cl_i64 base = c0 + (cl_i64)k * blockDim.x * VEC;  // first column of vector k
-    if (blockDim.y == 1) {
-      // one row per block: the thread's own columns, partials as one vector store each
-      // (scattered scalar stores had cost the N = 8192 backwards 15-30%)
-      const cl_i64 col = base + (cl_i64)t * VEC;
-      if (col >= N) continue;
-      if constexpr (XC > 1) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          if (want_g) csum.send(col + j, acc_g[k][j]);
-          if (want_b) csum.send(N + col + j, acc_b[k][j]);
-        }
-      } else if (partial) {
-        if (want_g) store_vec<VEC>(prow + col, acc_g[k]);
-        if (want_b) store_vec<VEC>(prow + N + col, acc_b[k]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
-          if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
-        }
-      }
-      continue;
-    }
-    // several rows: summed over the block's rows first (uniform branch: every thread is here)
-    auto flush_to = [&](cl_i64 off) {
-      return [&, off](int c, C s) {
-        const cl_i64 col = base + c;
-        if (col >= N) return;
-        if constexpr (XC > 1) csum.send(off + col, s);
-        else if (partial) prow[off + col] = s;
-        else atomicAdd(accum + off + col, s);
-      };
-    };
-    if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
-    if (want_b) block_column_sums<VEC>(acc_b[k], buf, flush_to(N));
-  }
-  if constexpr (XC > 1) {
-    csum.finish(2 * N, [&](cl_i64 c, C s) {
-      if (c < N) {
-        if (want_g) dgamma[c] = Store<W>::cvt(s);
-      } else if (want_b) {
-        dbeta[c - N] = Store<W>::cvt(s);
-      }
-    });
-    return;
-  }
-  // Only the LAST variant has the last-block sums: compiled into the other kernels that code
-  // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16.
-  if (partial && !(LAST && counter)) return;  // summed by norm_bwd_reduce
-
-  // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
-  // few blocks, the host's choice) it sums every block's row as norm_bwd_reduce would; with the
-  // atomic flush it casts the sums and zeroes them again. The ticket wraps back to 0 after the
-  // last block, so the counter and the accumulators are ready for the next launch without a
-  // memset.
-  __shared__ bool is_last;
-  __threadfence();
-  __syncthreads();
-  const unsigned int blocks = gridDim.x * gridDim.y;
-  if (tid == 0) is_last = atomicInc(counter, blocks - 1) == blocks - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  if (LAST && partial) {
-#pragma unroll 4
-    for (cl_i64 c = tid; c < 2 * N; c += threads) {
-      const bool is_g = c < N;
-      if (!(is_g ? want_g : want_b)) continue;
-      C s[8], tot = C(0);
-      partial_groups<8, true>(partial + c, 0, gridDim.x, 2 * N, s);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) tot += s[r];
-      if (is_g) dgamma[c] = Store<W>::cvt(tot);
-      else dbeta[c - N] = Store<W>::cvt(tot);
-    }
-    return;
-  }
-  volatile C* acc = accum;
-  for (cl_i64 c = tid; c < 2 * N; c += (cl_i64)blockDim.x * blockDim.y) {
-    const bool is_g = c < N;  // [0, N): dgamma, [N, 2N): dbeta
-    if (!(is_g ? want_g : want_b)) continue;
-    const C s = acc[c];
-    acc[c] = C(0);
-    if (is_g) dgamma[c] = Store<W>::cvt(s);
-    else dbeta[c - N] = Store<W>::cvt(s);
-  }
+  flush_params<W, VEC, NPT, XC, LAST>(acc_g, acc_b, csum, c0, N, dgamma, dbeta, accum, counter,
+                                      partial);
 }
 
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in
