@@ -254,8 +254,8 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         N = math.prod(x.shape[x.ndim - k :])
         if not M:
             return _empty_forward(x, lead, is_ln, hdtype, out)
-        gamma = _offset(gamma, x.dtype, woff)
-        g2, b2 = (flat(_kernel_params(p, x.dtype, gamma, beta)) for p in (gamma, beta))
+        gk = _offset(gamma, x.dtype, woff)  # a new array with an offset: never remembered
+        g2, b2 = (flat(_kernel_params(p, x.dtype, gk, beta)) for p in (gk, beta))
         xr, ldx = rows(x, k, N)
         r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
                                                           k, N)

@@ -577,7 +577,7 @@ def plot(result, path, M=4096, dtype="float16", op="layernorm"):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4), sharey=True)
-    for ax, p in zip(axes, ("fwd", "bwd"), strict=True):
+    for ax, p in zip(axes[:2], ("fwd", "bwd"), strict=True):
         for prov in ("cupyln", "torch", "liger"):
             pts = sorted((r["N"], r["GBs"]) for r in result["rows"]
                          if r["provider"] == prov and r["pass"] == p and r["M"] == M

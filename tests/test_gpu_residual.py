@@ -167,8 +167,9 @@ def test_bad_fused_calls_write_nothing():
 
 
 def test_fused_calls_are_remembered_and_replayed():
-    """The second identical fused call (forward and backward) takes the remembered launch, and
-    gives the same bits."""
+    """The second identical fused call (forward and backward) takes the remembered launch and
+    gives the same bits; calls with a weight offset (gamma + offset made per call) are never
+    remembered, and every one of them applies the offset."""
     from cupyln import api
 
     x = cp.asarray(host((64, 4096), BF16, 1))
@@ -177,9 +178,14 @@ def test_fused_calls_are_remembered_and_replayed():
     cupyln.clear_caches()
     runs = []
     for _ in range(2):
-        y, rstd, h = cupyln.rms_norm_fwd(x, g, residual=r, residual_dtype=F32, weight_offset=1.0)
-        dx, dg = cupyln.rms_norm_bwd(h, h, g, rstd, dresidual=r, weight_offset=1.0)
+        y, rstd, h = cupyln.rms_norm_fwd(x, g, residual=r, residual_dtype=F32)
+        dx, dg = cupyln.rms_norm_bwd(h, h, g, rstd, dresidual=r)
         runs.append((y, rstd, h, dx, dg))
         assert len(api._HOT) == 2  # one forward, one backward signature
     for u, v in zip(*runs, strict=True):
         cp.testing.assert_array_equal(u, v)
+    want = cupyln.rms_norm_fwd(x, g + np.float32(1.0), residual=r, residual_dtype=F32)
+    for _ in range(3):
+        got = cupyln.rms_norm_fwd(x, g, residual=r, residual_dtype=F32, weight_offset=1.0)
+        for u, v in zip(got, want, strict=True):
+            cp.testing.assert_array_equal(u, v)
