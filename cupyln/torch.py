@@ -83,14 +83,38 @@ def _stream(device):
     return s
 
 
+_ALLOCATORS = {}
+
+
+def _allocator(index):
+    """A CuPy allocator on torch's caching allocator (device ``index``, torch's current stream):
+    cupyln's scratch then comes from torch, which may allocate while a CUDA graph is being
+    captured (a cudaMalloc from CuPy's own pool there fails the capture) and which gives the
+    graph's memory back with the graph."""
+    alloc = _ALLOCATORS.get(index)
+    if alloc is None:
+        import cupy
+
+        device = torch.device("cuda", index)
+
+        def alloc(size):
+            t = torch.empty(size, dtype=torch.uint8, device=device)
+            return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, t, index),
+                                           0)
+
+        _ALLOCATORS[index] = alloc
+    return alloc
+
+
 def _run(device, fn, *args, **kw):
     """``fn`` of the arrays of the tensors ``args`` and ``kw["out"]``, on torch's current stream
-    of a CUDA ``device``."""
+    of a CUDA ``device``, its scratch from torch's allocator."""
     if device.type != "cuda":
         return _call(fn, args, kw)
     import cupy
 
-    with cupy.cuda.Device(device.index), _stream(device):
+    with cupy.cuda.Device(device.index), _stream(device), \
+            cupy.cuda.using_allocator(_allocator(device.index)):
         return _call(fn, args, kw)
 
 
