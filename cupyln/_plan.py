@@ -321,8 +321,8 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     else of ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
     tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
-    wide = vec * dtype.itemsize == 16  # clusters are built for 16-byte vectors (Spec.wide)
-    if info.clusters and cfg.cluster and wide and tpr <= bwd_threads(cfg.cluster_npt):
+    built = vec * dtype.itemsize == 16 or vec == 1  # the widths clusters are built for
+    if info.clusters and cfg.cluster and built and tpr <= bwd_threads(cfg.cluster_npt):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
                     residual=residual)
         kerns = _compile.kernels(spec, "bwd_long", config.source)
