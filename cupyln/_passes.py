@@ -91,8 +91,8 @@ class HotFwd:
             add = (resp, self.ldr, h.data.ptr)
         if self.given and self.ext.overlap(out, ins, (*ptrs, *map(ptr, out))):
             return None
-        self.launch(_current_stream().ptr, xp, *self.consts[:1], gp, bp, yp, mp, rp,
-                    *self.consts[1:], *add)
+        ldx, M, N, eps = self.consts
+        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
         return tuple(outs)
 
 
