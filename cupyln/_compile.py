@@ -84,11 +84,15 @@ class Spec(NamedTuple):
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N:
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)
-            if self.tiles > 1 and not self.hip and (self.wide or self.vec == 1):
-                cl = "norm_bwd_add_cluster" if self.residual else "norm_bwd_cluster"
-                names["bwd_cluster"] = f"{cl}<{a}, cln::direct, {self.tiles}>"
+            # (the fused add's: direct, 16-byte vectors)
+            clusters = self.tiles > 1 and not self.hip
+            if clusters and self.residual and self.wide:
+                names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, {self.tiles}>"
+            elif clusters and not self.residual and (self.wide or self.vec == 1):
+                names["bwd_cluster"] = f"norm_bwd_cluster<{a}, cln::direct, {self.tiles}>"
                 if self.stages:
-                    names["bwd_cluster_staged"] = f"{cl}<{a}, cln::staged, {self.tiles}>"
+                    staged = f"norm_bwd_cluster<{a}, cln::staged, {self.tiles}>"
+                    names["bwd_cluster_staged"] = staged
         return names
 
     def _fwd_names(self):

@@ -321,7 +321,8 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     else of ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
     tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
-    built = vec * dtype.itemsize == 16 or vec == 1  # the widths clusters are built for
+    wide = vec * dtype.itemsize == 16
+    built = wide or (vec == 1 and not residual)  # the widths clusters are built for (Spec)
     if info.clusters and cfg.cluster and built and tpr <= bwd_threads(cfg.cluster_npt):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
                     residual=residual)
