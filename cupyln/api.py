@@ -509,7 +509,7 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
          config, dresidual=None, weight_offset=0.0):
     key = None
     flags = (need_dx, need_dgamma, need_dbeta, deterministic)
-    if config is not None or weight_offset != 0.0:
+    if config is not None or type(weight_offset) is not float or weight_offset != 0.0:
         flags += (config, weight_offset)
     if type(x) is _CUPY_ARRAY and type(need_dx) is type(need_dgamma) is type(need_dbeta) is type(
         deterministic

@@ -167,6 +167,7 @@ def _ok():
     ({"weight_offset": float("nan")}, ValueError, "weight_offset must be finite"),
     ({"weight_offset": True}, TypeError, "weight_offset must be a real number"),
     ({"weight_offset": "1"}, TypeError, "weight_offset must be a real number"),
+    ({"weight_offset": np.array([1.0, 2.0])}, TypeError, "weight_offset must be a real number"),
 ])
 def test_forward_rejects_bad_residual_and_offset(kw, exc, msg):
     x, _, g = _ok()
@@ -182,6 +183,8 @@ def test_weight_offset_needs_gamma():
     y, rstd = cupyln.rms_norm_fwd(x, None, weight_offset=0)  # zero is no offset
     with pytest.raises(ValueError, match="needs gamma"):
         cupyln.rms_norm_bwd(y, x, None, rstd, weight_offset=2.0)
+    with pytest.raises(TypeError, match="weight_offset must be a real number"):
+        cupyln.rms_norm_bwd(y, x, None, rstd, weight_offset=np.ones(2))
 
 
 def test_residual_dtype_float32_only_for_16_bit_rows():
