@@ -15,7 +15,7 @@ from . import _compile, _driver
 from ._compile import Spec
 from ._config import DEFAULT, BwdConfig, Config, FwdConfig
 from ._driver import Launcher
-from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, h_dtypes, vec_options
+from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, add_vec, h_dtypes, vec_options
 
 PLAN_CACHE_SIZE = 1024  # signatures kept per pass; a loop over many sequence lengths evicts
 
@@ -128,7 +128,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
     for t, w in PARAM_PAIRS:
         for ln in (True, False):
             for v in vec_options(t):
-                add = v in (vec_options(t)[0], 1)  # the fused add's widths (add_vec)
+                add = add_vec(t, v) == v  # a width the fused add runs at
                 for n in (1, 2, 4):
                     if n <= fc.npt:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
@@ -321,11 +321,10 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     else of ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
     tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
-    wide = vec * dtype.itemsize == 16
-    built = wide or (vec == 1 and not residual)  # the widths clusters are built for (Spec)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
+                residual=residual)
+    built = "bwd_cluster" in spec.names("bwd_long")  # the widths Spec builds clusters for
     if info.clusters and cfg.cluster and built and tpr <= bwd_threads(cfg.cluster_npt):
-        spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
-                    residual=residual)
         kerns = _compile.kernels(spec, "bwd_long", config.source)
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
                                        0) > 0:

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _numpy_path
 from ._config import DEFAULT, Config
-from ._dtypes import FLOAT32, SUPPORTED_DTYPES, SUPPORTED_NAMES, param_dtype
+from ._dtypes import FLOAT32, SUPPORTED_DTYPES, SUPPORTED_NAMES, h_dtypes, param_dtype
 from ._layout import span
 
 try:  # CuPy is optional: without it only NumPy arrays are accepted.
@@ -133,7 +133,7 @@ def _h_dtype(x, residual, residual_dtype):
             hd = np.dtype(residual_dtype)
         except TypeError as e:
             raise TypeError(f"residual_dtype must be a dtype, got {residual_dtype!r}") from e
-    allowed = (x.dtype, FLOAT32) if x.dtype.itemsize == 2 else (x.dtype,)
+    allowed = h_dtypes(x.dtype)
     if hd not in allowed:
         names = " or ".join(str(d) for d in allowed)
         raise TypeError(f"residual_dtype is {hd}; expected {names} (x's dtype, or float32 for "

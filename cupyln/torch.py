@@ -372,40 +372,29 @@ _add_ln_fwd.register_autograd(_add_backward, setup_context=_add_setup)
 _add_rms_fwd.register_autograd(_add_backward, setup_context=_add_setup)
 
 
-class _Eager(torch.autograd.Function):
-    """The eager path: the same forward, setup and backward without the custom op's dispatch
-    (50 us per call on the H200 host). forward takes ctx itself: with a separate setup_context
-    torch binds the arguments through inspect.signature on every call."""
+def _eager_function(impl, setup, bwd, n_stats):
+    """The eager path of one op: the same forward, setup and backward as the custom op without
+    its dispatch (50 us per call on the H200 host). forward takes ctx itself: with a separate
+    setup_context torch binds the arguments through inspect.signature on every call. The
+    outputs after the first ``n_stats`` (the statistics) are not differentiable."""
 
-    impl = setup = None  # the subclass's op: its forward impl and setup_context
-    n_stats = 0
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            out = impl(*inputs)
+            setup(ctx, inputs, out)
+            ctx.mark_non_differentiable(*out[1 : 1 + n_stats])
+            return out
 
-    @classmethod
-    def forward(cls, ctx, *inputs):
-        out = cls.impl(*inputs)
-        cls.setup(ctx, inputs, out)
-        ctx.mark_non_differentiable(*out[1 : 1 + cls.n_stats])
-        return out
+        backward = staticmethod(bwd)
 
-
-class _LayerNorm(_Eager):
-    impl, setup, n_stats = staticmethod(_ln_fwd_impl), staticmethod(_ln_setup), 2
-    backward = staticmethod(_ln_backward)
+    return Eager
 
 
-class _RMSNorm(_Eager):
-    impl, setup, n_stats = staticmethod(_rms_fwd_impl), staticmethod(_rms_setup), 1
-    backward = staticmethod(_rms_backward)
-
-
-class _AddLayerNorm(_Eager):
-    impl, setup, n_stats = staticmethod(_add_ln_fwd_impl), staticmethod(_add_setup), 2
-    backward = staticmethod(_add_backward)
-
-
-class _AddRMSNorm(_Eager):
-    impl, setup, n_stats = staticmethod(_add_rms_fwd_impl), staticmethod(_add_setup), 1
-    backward = staticmethod(_add_backward)
+_LayerNorm = _eager_function(_ln_fwd_impl, _ln_setup, _ln_backward, 2)
+_RMSNorm = _eager_function(_rms_fwd_impl, _rms_setup, _rms_backward, 1)
+_AddLayerNorm = _eager_function(_add_ln_fwd_impl, _add_setup, _add_backward, 2)
+_AddRMSNorm = _eager_function(_add_rms_fwd_impl, _add_setup, _add_backward, 1)
 
 
 # ----------------------------------------------------------------------------- functions
