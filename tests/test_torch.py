@@ -174,8 +174,6 @@ def test_non_contiguous_and_non_default_stream():
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.xfail(reason="capture of cupyln.torch under torch.cuda.graph failed on the H200 "
-                          "(torch 2.11); cause not established", strict=False)
 def test_cuda_graph_capture_and_replay():
     model = torch.nn.Sequential(ct.LayerNorm(1024), torch.nn.Linear(1024, 1024),
                                 ct.RMSNorm(1024)).cuda()
