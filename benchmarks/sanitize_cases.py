@@ -1,7 +1,8 @@
 """Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
 
-Variants: forward (one chunk, several chunks), backward with atomics and deterministic, both with
-staged rows (cp.async; backward rows static or from tickets) and direct loads, for short rows
+Variants: forward (one chunk, several chunks, rows split over a cluster), backward with atomics
+and deterministic, both with staged rows (cp.async; backward rows static or from tickets) and
+direct loads, for short rows
 (several per block), block rows (of 8, 16 and 32 warps), and long rows (clusters of column
 tiles, or row sums + column tiles), and few rows (one cluster that sums dgamma/dbeta, or the
 last block summing the partials); LayerNorm and RMSNorm; and the fused residual add (with
@@ -24,7 +25,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 33, 1000, "float32", None),        # one block per row (norm_fwd_row)
     ("layernorm", 32, 512, "bfloat16", None),        # norm_fwd_row without column tests
     ("rmsnorm", 33, 1000, "float16", None),
-    ("layernorm", 3, 140000, "float16", None),       # several chunks; row sums + column tiles
+    ("layernorm", 3, 140000, "float16", None),       # forward cluster; row sums + column tiles
+    ("rmsnorm", 2, 600000, "bfloat16", None),        # forward cluster in chunks
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
     ("layernorm", 40, 16384, "bfloat16", "float32"),
     ("layernorm", 150, 16384, "float16", None),      # staged clusters over several rows
@@ -33,7 +35,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 600, 4096, "float16", "float32"),
     ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
     ("rmsnorm", 700, 8192, "bfloat16", None),        # forward rows of 8 warps
-    ("layernorm", 60, 32768, "float16", None),       # forward rows of 32 warps
+    ("layernorm", 200, 32768, "float16", None),      # forward rows of 32 warps
+    ("layernorm", 60, 32768, "float16", None),       # few rows: a forward cluster per row
     ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
     ("rmsnorm", 3000, 1032, "float16", "float32"),   # row kernel, 2 warps x 4 vectors, not full

@@ -23,7 +23,7 @@ import numpy as np
 from ._dtypes import ACC_DTYPES, CTYPES
 
 OPTIONS = ("-std=c++17",)
-HEADERS = ("common.cuh", "bwd_common.cuh")
+HEADERS = ("common.cuh", "cluster.cuh", "bwd_common.cuh")
 SOURCES = ("norm_fwd.cu", "norm_bwd.cu")
 
 
@@ -34,7 +34,7 @@ class Spec(NamedTuple):
     vec: int  # elements per vector access
     npt: int  # vectors per thread per chunk
     warp: int  # 32 or 64
-    tiles: int = 1  # backward: blocks per thread-block cluster (1: no cluster kernels)
+    tiles: int = 1  # blocks per thread-block cluster (1: no cluster kernels)
     tpr: int = 0  # forward row kernel: threads per row fixed at compile time
     row: bool = False  # forward: rows of one chunk of tpr threads (norm_fwd_row alone)
     hip: bool = False  # ROCm: no staged (cp.async) or cluster kernels
@@ -86,6 +86,8 @@ class Spec(NamedTuple):
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)
             # (the fused add's: direct, 16-byte vectors)
             clusters = self.tiles > 1 and not self.hip
+            if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
+                names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
             if clusters and self.residual and self.wide:
                 names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, {self.tiles}>"
             elif clusters and not self.residual and (self.wide or self.vec == 1):
@@ -97,6 +99,13 @@ class Spec(NamedTuple):
 
     def _fwd_names(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
+        if self.tiles > 1:  # rows split over a cluster: in one chunk, or in chunks
+            h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
+            kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
+            a = f"{kern}<{t}, {w}, {h}{_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}, " \
+                f"{self.tiles}"
+            return {"fwd_cluster": f"{a}, cln::one_chunk>",
+                    "fwd_cluster_chunked": f"{a}, cln::chunks>"}
         if self.hdtype is not None:  # the fused residual add: direct rows, or chunks
             a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"
             return {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",

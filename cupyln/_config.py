@@ -57,6 +57,13 @@ class FwdConfig:
     # ... and for rows of several vectors per thread in 2 to `row_npt_warps` warps (4096x2048
     # f16: 10% faster); 8 warps spill and lose.
     row_npt_warps: int = 4
+    # On sm_90, rows split over a cluster of `cluster_tiles` blocks that add their sums through
+    # distributed shared memory: rows longer than one block holds (read once, not twice, up to
+    # cluster_tiles * tpr_max * npt vectors), and rows of at least `cluster_row_bytes` too few
+    # for a block per SM (each row streamed by cluster_tiles SMs).
+    cluster: bool = True
+    cluster_tiles: int = 8
+    cluster_row_bytes: int = 65536
 
     __post_init__ = _check_stage
 

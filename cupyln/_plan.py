@@ -129,6 +129,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
         for ln in (True, False):
             for v in vec_options(t):
                 add = add_vec(t, v) == v  # a width the fused add runs at
+                if v * t.itemsize == 16 and not hip:  # rows split over a cluster
+                    for h in (None, *(h_dtypes(t) if add else ())):
+                        names.update(Spec(t, w, ln, v, fc.npt, warp, fc.cluster_tiles,
+                                          hdtype=h).names("fwd").values())
                 for n in (1, 2, 4):
                     if n <= fc.npt:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
@@ -143,6 +147,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
                                          ("bwd_long", bc.cluster_tiles)):
+                        if pass_ == "bwd_long" and n not in (bc.tile_npt, bc.cluster_npt):
+                            continue  # long rows take these widths alone
                         if hip and tiles > 1 and pass_ == "bwd":
                             continue  # one cluster alone: clusters only
                         names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip)
@@ -277,6 +283,9 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     info, cfg = device_info(dev_id), config.fwd
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
+    cluster = _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
+    if cluster is not None:
+        return cluster
     if hdtype is not None:
         return _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid)
     rg = _takes_row_kernel(cfg, info, g, dtype, M, N, vec)
@@ -304,6 +313,37 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
+def fwd_cluster_rows(cfg: FwdConfig, info, dtype, M, N, vec, g):
+    """Whether forward rows of geometry ``g`` split over a cluster: sm_90, 16-byte vectors, and
+    rows longer than a block holds or of at least ``cluster_row_bytes`` too few to give every
+    SM a block."""
+    few = cdiv(M, g.rpb) < info.sms and N * dtype.itemsize >= cfg.cluster_row_bytes
+    return (info.clusters and cfg.cluster and vec * dtype.itemsize == 16
+            and (not g.fits or few))
+
+
+def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
+    """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each (one chunk where
+    the row fits, else chunks of ``tpr_max`` threads per block), one cluster per row; None where
+    the rule says no or the driver cannot place such a cluster."""
+    cfg = config.fwd
+    if not fwd_cluster_rows(cfg, info, dtype, M, N, vec, g):
+        return None
+    tiles = cfg.cluster_tiles
+    tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
+    main = "fwd_cluster_chunked" if tpr > cfg.tpr_max else "fwd_cluster"
+    block = (min(tpr, cfg.tpr_max), 1)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
+                hdtype=hdtype)
+    kern = _compile.kernels(spec, "fwd", config.source)[main]
+    if _driver.max_active_clusters(kern, (1, tiles), block, 0) == 0:
+        return None
+    grid = (min(M, info.sms * cfg.grid_per_sm), tiles)
+    args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(args, dtype))}
+    return Plan(spec, main, kern, grid, block, 0, launch)
+
+
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     """The fused residual add's forward: the general geometry on direct rows (one chunk in
     registers, or chunks), none of the row kernel, staging or early parameters."""
@@ -329,10 +369,24 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
                                        0) > 0:
             return spec, kerns, (tpr, 1), cfg.cluster_tiles, True
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, hip=info.hip,
+    # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
+    tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
                 residual=residual)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
+
+
+def _rowsums_launcher(info, cfg: BwdConfig, kerns, M):
+    """The row sums before column tiles: one row per block, or per cluster of ``cluster_tiles``
+    blocks where the module has that kernel and the driver can place one."""
+    rows = min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4)
+    block = (cfg.rowsums_tpr, 1)
+    kern = kerns.get("rowsums_cluster")
+    if kern is not None and _driver.max_active_clusters(kern, (1, cfg.cluster_tiles), block, 0):
+        grid = (max(1, min(M, rows // cfg.cluster_tiles)), cfg.cluster_tiles)
+        return Launcher(kern, grid, block, 0, _ROWSUMS_ARGS)
+    return Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -383,9 +437,7 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     if dyn:
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
     if not g.fits and not cluster:
-        rs_grid = (min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4),)
-        launch["rowsums"] = Launcher(kerns["rowsums"], rs_grid, (cfg.rowsums_tpr, 1), 0,
-                                     _ROWSUMS_ARGS)
+        launch["rowsums"] = _rowsums_launcher(info, cfg, kerns, M)
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:

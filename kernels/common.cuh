@@ -18,6 +18,7 @@ constexpr bool params_early = true, params_late = false;  // gamma/beta loaded w
 constexpr bool cols_full = true, cols_tested = false;   // every vector lies in the row
 constexpr bool last_block_sums = true, partials = false;  // who sums dgamma/dbeta partials
 constexpr bool tickets = true;                           // rows handed out by a counter
+constexpr bool chunks = true, one_chunk = false;        // a row read in chunks (twice)
 }  // namespace cln
 
 // Stops the kernel with an error: for host/kernel mismatches that would give wrong results.

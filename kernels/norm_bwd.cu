@@ -411,14 +411,22 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers
-// hold: one row per block (blockDim.y == 1), the row read in chunks of blockDim.x * NPT * VEC.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
-__global__ void __launch_bounds__(1024)
+// hold: one row per block (blockDim.y == 1), the row read in chunks of blockDim.x * NPT * VEC;
+// CL > 1 (sm_90): one row per cluster of CL blocks (gridDim.y == CL), block r reading chunks r,
+// r + CL, ..., their sums added through the cluster, so that few rows still keep CL SMs each
+// streaming.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1>
+__global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
                  const W* __restrict__ gamma, const float* __restrict__ mean,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
+  constexpr int SLOTS = CL * (1024 / WARP);
+  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
+  if constexpr (CL > 1) cluster_allreduce_init<SLOTS, 2, C>();
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
+  const cl_i64 first = CL > 1 ? blockIdx.y * chunk : 0;
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const T* xr = x + row * ldx;
@@ -426,7 +434,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     const C mu = LN ? (C)mean[row] : C(0);
     const C rs = (C)rstd[row];
     C s[2] = {C(0), C(0)};
-    for (cl_i64 c0 = 0; c0 < N; c0 += (cl_i64)blockDim.x * NPT * VEC) {
+    for (cl_i64 c0 = first; c0 < N; c0 += CL * chunk) {
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
         const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
@@ -448,12 +456,14 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
         }
       }
     }
-    row_allreduce<WARP>(s, phase);
-    if (threadIdx.x == 0) {
+    if constexpr (CL > 1) cluster_allreduce<CL, SLOTS, WARP>(s, phase);
+    else row_allreduce<WARP>(s, phase);
+    if (threadIdx.x == 0 && (CL == 1 || blockIdx.y == 0)) {
       rowsums[2 * row] = s[0];
       rowsums[2 * row + 1] = s[1];
     }
   }
+  if constexpr (CL > 1) cluster_sync();  // no block leaves while its sums are on their way
 }
 
 // Deterministic dgamma/dbeta: sum the [P, 2N] partials over P in a fixed order and cast.

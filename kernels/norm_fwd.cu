@@ -7,8 +7,20 @@
 // (STAGE, CUDA sm_80 on) copies each block's next rows into shared memory while it reduces and
 // writes these, as the backward does. Statistics are exact per chunk (sum, then centered
 // sum of squares) and merged across chunks with Chan's formula: never E[x^2] - E[x]^2.
-#include "common.cuh"
+#include "cluster.cuh"
 
+
+// The exchange's slots of a forward cluster of CL blocks (CL times the launch bound's warps).
+template <int CL, int WARP> __host__ __device__ constexpr int fwd_cluster_slots() {
+  return CL * (1024 / WARP);
+}
+
+// Sum over a row's threads: of one block, or (CL > 1) of the CL blocks of a cluster.
+template <int CL, int WARP, int TPR, typename C>
+__device__ __forceinline__ void tile_allreduce(C (&v)[1], int phase) {
+  if constexpr (CL > 1) cluster_allreduce<CL, fwd_cluster_slots<CL, WARP>(), WARP>(v, phase);
+  else row_allreduce<WARP, TPR>(v, phase);
+}
 
 // Statistics of one chunk held in p, merged into the row's (n, mean, m2), identical on every
 // thread of the row: exact two-pass on the chunk (sum, then centered sum of squares), then
@@ -18,10 +30,11 @@
 // bf16 559 vs 620 us, 16384x8192 bf16 159 vs 173 us.
 // A row of one chunk (CHUNKED = false) takes the chunk's statistics as they are, with
 // `inv_cnt` = 1 / N: no division and no merge on the row's critical path. FULL: every vector
-// lies below N (see fwd_rows).
-template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, bool FULL, int TPR, typename R,
-          typename C>
-__device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64 N,
+// lies below N (see fwd_rows). CL > 1: the chunk spans the CL blocks of a cluster (from c0, this
+// block's part from t0), whose sums cluster_allreduce adds.
+template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, bool FULL, int TPR, int CL,
+          typename R, typename C>
+__device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64 t0, cl_i64 N,
                                             cl_i64 chunk, int phase, C inv_cnt, C& n, C& mean,
                                             C& m2) {
   C s[1] = {C(0)};
@@ -34,7 +47,7 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
     }
   // Consecutive calls alternate the reduction buffers: LayerNorm calls twice per chunk (2p and
   // 2p + 1), RMSNorm once (p). racecheck found RMSNorm at 2p (always the same buffer) racing.
-  row_allreduce<WARP, TPR>(s, LN ? 2 * phase : phase);
+  tile_allreduce<CL, WARP, TPR>(s, LN ? 2 * phase : phase);
   if (!LN) {
     m2 += s[0];
     return;
@@ -45,14 +58,14 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     // past N the row holds zeros: centred on 0 there, they add nothing (one select per vector)
-    const C ck = FULL || c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N ? cm : C(0);
+    const C ck = FULL || t0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC < N ? cm : C(0);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const C d = (C)elem(p[k], j) - ck;
       q[0] += d * d;
     }
   }
-  row_allreduce<WARP, TPR>(q, 2 * phase + 1);
+  tile_allreduce<CL, WARP, TPR>(q, 2 * phase + 1);
   if (CHUNKED) {
     chan_merge(n, mean, m2, cnt, cm, q[0]);
   } else {
@@ -128,8 +141,11 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // test no column (fewer instructions and registers).
 // ADD: the fused residual add. The row is h = x + res (ldr: res's row stride), stored to hout
 // (rows of N) in H and normalized as stored; chunked rows read h back for the output.
+// CL > 1: each row split over the CL blocks of a cluster (gridDim.y == CL, one row per block at
+// a time): a chunk spans the cluster, block r holding its part r, and the chunk's sums are added
+// through distributed shared memory.
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false>
+          int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false, int CL = 1>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          T* __restrict__ y, float* __restrict__ mean_out,
@@ -138,9 +154,14 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                          H* __restrict__ hout = nullptr) {
   static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
+  static_assert(CL == 1 || !(STAGE || EARLY_PARAMS || FULL), "clusters: direct rows only");
   typedef typename Acc<T>::type C;
-  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
-  const int nchunks = CHUNKED ? (int)((N + chunk - 1) / chunk) : 1;
+  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
+  if constexpr (CL > 1) cluster_allreduce_init<fwd_cluster_slots<CL, WARP>(), 1, C>();
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
+  const cl_i64 span = CL * chunk;
+  const cl_i64 tile = CL > 1 ? (cl_i64)blockIdx.y * chunk : 0;  // this block's, in the chunk
+  const int nchunks = CHUNKED ? (int)((N + span - 1) / span) : 1;
   const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   typename RowVec<H, VEC>::type p[NPT];
@@ -177,6 +198,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     const T* xr = x + (valid ? row : 0) * ldx;
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < nchunks; ++c, ++phase) {
+      const cl_i64 t0 = c * span + tile;
       if constexpr (STAGED) {  // one chunk: phase counts rows
         prefetch(row + step, (phase + 1) & 1);
         async_wait<1>();  // this row's copies have landed; the next row's stay in flight
@@ -184,17 +206,17 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
 #pragma unroll
         for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
       } else if constexpr (ADD) {
-        load_row_add<VEC, NPT>(xr, res + (valid ? row : 0) * ldr, hout + row * N,
-                               (cl_i64)c * chunk, N, valid, p);
+        load_row_add<VEC, NPT>(xr, res + (valid ? row : 0) * ldr, hout + row * N, t0, N, valid,
+                               p);
       } else {
-        load_row<VEC, NPT, FULL>(xr, (cl_i64)c * chunk, N, valid, p);
+        load_row<VEC, NPT, FULL>(xr, t0, N, valid, p);
       }
       if (EARLY) {  // predicated, not branched: a branch let a conversion of x wait before it
-        load_packs<VEC, NPT, FULL>(gamma, 0, N, gamma != nullptr, hg);
-        load_packs<VEC, NPT, FULL>(beta, 0, N, beta != nullptr, hb);
+        load_packs<VEC, NPT, FULL>(gamma, tile, N, gamma != nullptr, hg);
+        load_packs<VEC, NPT, FULL>(beta, tile, N, beta != nullptr, hb);
       }
-      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL, 0>(p, (cl_i64)c * chunk, N, chunk, phase,
-                                                        inv_n, n, mean, m2);
+      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL, 0, CL>(p, c * span, t0, N, span, phase,
+                                                            inv_n, n, mean, m2);
     }
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
@@ -203,16 +225,19 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       rstd_out[row] = (float)rstd;
     }
     for (int c = 0; c < nchunks && valid; ++c) {
+      const cl_i64 t0 = c * span + tile;
       if constexpr (CHUNKED && ADD) {  // read again: h, as this thread stored it
-        load_row<VEC, NPT>(hout + row * N, (cl_i64)c * chunk, N, valid, p);
+        load_row<VEC, NPT>(hout + row * N, t0, N, valid, p);
       } else if constexpr (CHUNKED) {
-        load_row<VEC, NPT>(xr, (cl_i64)c * chunk, N, valid, p);
+        load_row<VEC, NPT>(xr, t0, N, valid, p);
       }
-      write_chunk<EARLY, VEC, NPT, FULL>(p, c * (int)chunk, (int)N, mu, rstd, gamma, beta,
-                                        y + row * N, hg, hb);
+      write_chunk<EARLY, VEC, NPT, FULL>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
+                                        hg, hb);
     }
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
+  // a cluster's blocks leave together: none exits while its sums may still be on their way
+  if constexpr (CL > 1) cluster_sync();
 }
 
 #define CLN_FWD_PARAMS                                                                        \
@@ -250,6 +275,24 @@ __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS)
                                                                        hout);
 }
 
+// Rows split over the CL blocks of a cluster (sm_90; the planner's choice for rows longer than
+// one block holds, and for rows too few to fill the GPU): x read once where the row fits in the
+// cluster's registers (CHUNKED = false), else in chunks spanning the cluster, read twice. Built
+// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster).
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL, bool CHUNKED>
+__global__ void __launch_bounds__(1024)
+CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_cluster(CLN_FWD_PARAMS) {
+  fwd_rows<CHUNKED, false, false, T, W, LN, VEC, NPT, WARP, false, T, false, CL>(CLN_FWD_ARGS);
+}
+
+template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, int CL,
+          bool CHUNKED>
+__global__ void __launch_bounds__(1024)
+CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
+  fwd_rows<CHUNKED, false, false, T, W, LN, VEC, NPT, WARP, false, H, true, CL>(CLN_FWD_ARGS, res,
+                                                                              ldr, hout);
+}
+
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
 // small M in at most fwd.row_warps whole warps, one row per block, or for rows of at most a
 // warp, blockDim.y of them per block, whatever M; fwd.npt vectors for rows of 2 to
@@ -281,8 +324,8 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
   for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
   const C inv_n = cl_inv_count(C(0), N);
   C n = C(0), mean = C(0), m2 = C(0);
-  chunk_stats<false, LN, WARP, VEC, NPT, FULL, TPR>(p, 0, N, (cl_i64)TPR * NPT * VEC, 0, inv_n, n,
-                                                    mean, m2);
+  chunk_stats<false, LN, WARP, VEC, NPT, FULL, TPR, 1>(p, 0, 0, N, (cl_i64)TPR * NPT * VEC, 0,
+                                                       inv_n, n, mean, m2);
   const C mu = LN ? mean : C(0);
   const C rstd = cl_rsqrt(m2 * inv_n + eps);
   if (!valid) return;  // after the row's reductions, which take every thread of the block

@@ -80,9 +80,11 @@ def test_wheel_ships_kernel_sources(tmp_path):
         capture_output=True, text=True,
     )
     assert r.returncode == 0, r.stderr[-4000:]
+    from cupyln import _compile
+
     (wheel,) = tmp_path.glob("cupyln-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("common.cuh", "bwd_common.cuh", "norm_fwd.cu", "norm_bwd.cu"):
+    for f in (*_compile.HEADERS, *_compile.SOURCES):
         assert f"cupyln/kernels/{f}" in names
     assert "cupyln/py.typed" in names
 

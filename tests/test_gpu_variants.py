@@ -9,6 +9,7 @@ from gpu_cases import (
     F16,
     F32,
     F64,
+    LAYOUTS,
     PAIRS,
     assert_close,
     check_case,
@@ -288,6 +289,29 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         assert cluster == (on and info.clusters and fits and built), plan.grid
         assert ("rowsums" in plan.launch) != cluster
         assert plan.grid[1] == cfg.cluster_tiles or not cluster
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
+    (300, 65536, BF16, F32, True), (3, 65544, F16, F16, False), (2, 1 << 20, BF16, BF16, True),
+    (5, 300008, F32, F32, True), (7, 32768, F16, F32, True), (1, 65536, BF16, F32, False),
+    (2, 40000, F64, F64, True)])
+def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
+    """Forward rows split over a cluster (long rows in one chunk or in chunks, few rows, rows
+    not a multiple of the cluster's chunk, strided rows) match the reference, as the path
+    without clusters does; the plan takes it exactly where the device has clusters."""
+    from cupyln import _plan
+
+    case = inputs(M, N, dt, wdt, has_b=has_b)
+    every_other_row = LAYOUTS["every other row"]
+    plans.spy("fwd")
+    for on in (True, False):
+        plans.replan(fwd_cluster=on)
+        check_case(op, *case, config=plans.config)
+        check_case(op, *case, layout=every_other_row, config=plans.config)
+        info = _plan.device_info(cp.cuda.Device().id)
+        assert all((p.spec.tiles > 1) == (on and info.clusters) for p in plans), plans[0].variant
+        assert all(p.spec.tiles == 1 or p.grid == (M, 8) for p in plans)
 
 
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])

@@ -1,5 +1,7 @@
 """The planner's geometry and layout decisions, checked on the CPU (no GPU needed)."""
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 from hypothesis import example, given
@@ -106,9 +108,19 @@ def test_launch_argument_buffer_follows_c_layout(kinds):
 
 
 class _FakeKernel:
-    """What the planner reads of a compiled kernel (its resources), without a GPU."""
+    """What the planner reads of a compiled kernel (its resources), without a GPU, and its
+    name expression."""
 
     num_regs, shared_size_bytes, max_dynamic_shared_size_bytes = 64, 0, 48 * 1024
+
+    def __init__(self, name):
+        self.name = name
+
+
+class _FakeLauncher(NamedTuple):
+    kern: _FakeKernel
+    grid: tuple
+    block: tuple
 
 
 _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
@@ -132,12 +144,12 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     def kernels(spec, p, text=None):
         names = spec.names(p)
         built.update(names)
-        return dict.fromkeys(names, _FakeKernel())
+        return {k: _FakeKernel(v) for k, v in names.items()}
 
     with mock.patch.object(_plan, "device_info", lambda dev: info), \
             mock.patch.object(_plan._compile, "kernels", kernels), \
             mock.patch.object(_plan._driver, "max_active_clusters", lambda *a: 1), \
-            mock.patch.object(_plan, "Launcher", lambda *args: None):
+            mock.patch.object(_plan, "Launcher", lambda k, g, b, *a: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
         if hdtype is not None:
             return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N,
@@ -175,7 +187,7 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     early = "fwd_early" in built
     wide = plan.spec.vec * plan.spec.dtype.itemsize == 16
     assert early == (plan.spec.npt > 1 and plan.spec.dtype.itemsize >= 4 and not plan.spec.row
-                     and wide)
+                     and wide and plan.spec.tiles == 1)
     base = plan.variant.removesuffix("_full")
     assert base != "fwd" or not early
     assert base != "fwd_early" or early
@@ -197,6 +209,54 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     direct = base in ("fwd", "fwd_early", "fwd_row")
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0 and wide)
     assert plan.spec.tpr == (tpr if one_row else 0)  # fixed threads: the row kernel alone
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
+       st.integers(1, 1 << 21), WARPS, st.booleans())
+@example("bfloat16", 2048, 65536, 32, True)  # longer than a block: one chunk per cluster
+@example("bfloat16", 64, 1 << 20, 32, True)  # longer than a cluster: chunks
+@example("bfloat16", 1, 65536, 32, True)  # few rows
+@example("bfloat16", 131, 32768, 32, True)  # few rows, fits a block
+@example("float32", 1, 8192, 32, True)  # few rows, too short
+def test_forward_rows_split_over_a_cluster_where_long_or_few(dt, M, N, warp, clusters):
+    """Where clusters exist, every forward row of 16-byte vectors longer than one block holds,
+    and every such row of at least ``cluster_row_bytes`` when there are fewer rows than SMs,
+    is split over ``cluster_tiles`` blocks of whole warps, one cluster per row: in one chunk
+    exactly where the cluster's registers hold the row; no other row is."""
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
+    s = plan.spec
+    vec, size = s.vec, s.dtype.itemsize
+    longer = N // vec > FWD.tpr_max * FWD.npt
+    few = M < 132 and N * size >= FWD.cluster_row_bytes
+    assert (s.tiles > 1) == (clusters and vec * size == 16 and (longer or few))
+    if s.tiles == 1:
+        return
+    tpr = plan.block[0]
+    assert s.tiles == FWD.cluster_tiles and plan.block[1] == 1
+    assert plan.grid == (min(M, 132 * FWD.grid_per_sm), s.tiles)  # clusters loop past the cap
+    assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == FWD.npt
+    cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
+    assert plan.variant == ("fwd_cluster" if cover >= N else "fwd_cluster_chunked")
+    assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
+    assert set(built.values()) <= _plan.all_kernel_names(warp)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
+       st.integers(1, 1 << 21), WARPS, st.booleans())
+@example("bfloat16", 1, 1 << 20, 32, True)
+def test_long_backward_row_sums_over_a_cluster_where_clusters_exist(dt, M, N, warp, clusters):
+    """Rows too long for the backward's cluster of tiles get their row sums first: over a
+    cluster of ``cluster_tiles`` blocks per row where clusters exist and the module builds that
+    kernel (16-byte vectors, single elements), else one block per row."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
+    if "rowsums" not in plan.launch:
+        return
+    rs, s = plan.launch["rowsums"], plan.spec
+    over = clusters and (s.vec * s.dtype.itemsize == 16 or s.vec == 1)
+    assert (rs.kern.name == built.get("rowsums_cluster")) == over
+    assert rs.block == (BWD.rowsums_tpr, 1)
+    assert len(rs.grid) == 1 or (rs.grid[1] == BWD.cluster_tiles and rs.grid[0] <= M)
+    assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
@@ -257,12 +317,17 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
     hdtype = h_dtypes(dtype)[-1 if wide_h else 0]
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
-    assert set(built) == {"fwd_add", "fwd_add_chunked"}
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip)
+    assert plan.spec.tiles == plain.spec.tiles  # split over a cluster where the plain rows are
+    if plan.spec.tiles > 1:
+        assert set(built) == {"fwd_cluster", "fwd_cluster_chunked"}
+        assert all(n.startswith("norm_fwd_add_cluster<") for n in built.values())
+        return
+    assert set(built) == {"fwd_add", "fwd_add_chunked"}
     assert plan.variant == ("fwd_add" if plan.spec.npt * plan.block[0] * plan.spec.vec >= N
                             else "fwd_add_chunked")
     assert plan.spec.vec in (16 // dtype.itemsize, 1) and plan.spec.hdtype == hdtype
-    plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip)
     if not plain.spec.row:  # the general path's geometry, where the plain forward takes it
         assert plan.block == plain.block or plan.spec.vec != plain.spec.vec
 
