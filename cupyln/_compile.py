@@ -86,8 +86,6 @@ class Spec(NamedTuple):
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)
             # (the fused add's: direct, 16-byte vectors)
             clusters = self.tiles > 1 and not self.hip
-            if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
-                names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
             if clusters and self.residual and self.wide:
                 names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, {self.tiles}>"
             elif clusters and not self.residual and (self.wide or self.vec == 1):
@@ -104,8 +102,11 @@ class Spec(NamedTuple):
             kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
             a = f"{kern}<{t}, {w}, {h}{_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}, " \
                 f"{self.tiles}"
-            return {"fwd_cluster": f"{a}, cln::one_chunk>",
-                    "fwd_cluster_chunked": f"{a}, cln::chunks>"}
+            names = {"fwd_cluster": f"{a}, cln::one_chunk>",
+                     "fwd_cluster_chunked": f"{a}, cln::chunks>"}
+            if self.stages and not h:  # resident clusters, the next row copied ahead
+                names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
+            return names
         if self.hdtype is not None:  # the fused residual add: direct rows, or chunks
             a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"
             return {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",

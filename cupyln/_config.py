@@ -57,13 +57,13 @@ class FwdConfig:
     # ... and for rows of several vectors per thread in 2 to `row_npt_warps` warps (4096x2048
     # f16: 10% faster); 8 warps spill and lose.
     row_npt_warps: int = 4
-    # On sm_90, rows split over a cluster of `cluster_tiles` blocks that add their sums through
-    # distributed shared memory: rows longer than one block holds (read once, not twice, up to
-    # cluster_tiles * tpr_max * npt vectors), and rows of at least `cluster_row_bytes` too few
-    # for a block per SM (each row streamed by cluster_tiles SMs).
+    # On sm_90, rows longer than one block holds split over a cluster of `cluster_tiles` blocks
+    # that add their sums through distributed shared memory: read once, not twice, up to
+    # cluster_tiles * tpr_max * npt vectors (2048x65536 bf16: 219 against 259 us direct; few
+    # rows use 8 SMs each: 1x65536 bf16 9.0 against 18.2). Rows that fit one block lost when
+    # split for few rows (64x32768 bf16: 10.5 against 9.9 us).
     cluster: bool = True
     cluster_tiles: int = 8
-    cluster_row_bytes: int = 65536
 
     __post_init__ = _check_stage
 
@@ -98,10 +98,10 @@ class BwdConfig:
     # (131072x4096 bf16: 3.5% faster than static rows).
     dynamic: bool = True
     # Long rows without clusters: column tiles of `tile_tpr` threads x `tile_npt` vectors after a
-    # row-sums kernel of `rowsums_tpr` threads.
+    # row-sums kernel on the same tiles, whose parts each row adds (every SM streams even for one
+    # row: 1x1048576 bf16 with a block per row took 150 us).
     tile_tpr: int = 256
     tile_npt: int = 2
-    rowsums_tpr: int = 1024
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

@@ -313,21 +313,19 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def fwd_cluster_rows(cfg: FwdConfig, info, dtype, M, N, vec, g):
-    """Whether forward rows of geometry ``g`` split over a cluster: sm_90, 16-byte vectors, and
-    rows longer than a block holds or of at least ``cluster_row_bytes`` too few to give every
-    SM a block."""
-    few = cdiv(M, g.rpb) < info.sms and N * dtype.itemsize >= cfg.cluster_row_bytes
-    return (info.clusters and cfg.cluster and vec * dtype.itemsize == 16
-            and (not g.fits or few))
+def fwd_cluster_rows(cfg: FwdConfig, info, dtype, vec, g):
+    """Whether forward rows of geometry ``g`` split over a cluster: sm_90, 16-byte vectors, rows
+    longer than one block holds."""
+    return info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits
 
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
-    """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each (one chunk where
-    the row fits, else chunks of ``tpr_max`` threads per block), one cluster per row; None where
-    the rule says no or the driver cannot place such a cluster."""
+    """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each: one chunk where
+    the row fits, staged where resident clusters loop over rows; else chunks of ``tpr_max``
+    threads per block, one cluster per row. None where the rule says no or the driver cannot
+    place such a cluster."""
     cfg = config.fwd
-    if not fwd_cluster_rows(cfg, info, dtype, M, N, vec, g):
+    if not fwd_cluster_rows(cfg, info, dtype, vec, g):
         return None
     tiles = cfg.cluster_tiles
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
@@ -335,13 +333,19 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     block = (min(tpr, cfg.tpr_max), 1)
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
                 hdtype=hdtype)
-    kern = _compile.kernels(spec, "fwd", config.source)[main]
-    if _driver.max_active_clusters(kern, (1, tiles), block, 0) == 0:
+    kerns = _compile.kernels(spec, "fwd", config.source)
+    if _driver.max_active_clusters(kerns[main], (1, tiles), block, 0) == 0:
         return None
-    grid = (min(M, info.sms * cfg.grid_per_sm), tiles)
+    grid, smem = (min(M, info.sms * cfg.grid_per_sm), tiles), 0
+    if main == "fwd_cluster" and "fwd_cluster_staged" in kerns:
+        stage = staging_bytes(info, dtype, vec, cfg.npt, block[0], 1)
+        resident = _driver.max_active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
+                                               stage)
+        if resident and stages(cfg.stage, M > resident):
+            main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
-    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(args, dtype))}
-    return Plan(spec, main, kern, grid, block, 0, launch)
+    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(args, dtype))}
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
@@ -369,24 +373,10 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
                                        0) > 0:
             return spec, kerns, (tpr, 1), cfg.cluster_tiles, True
-    # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
-    tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, hip=info.hip,
                 residual=residual)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
-
-
-def _rowsums_launcher(info, cfg: BwdConfig, kerns, M):
-    """The row sums before column tiles: one row per block, or per cluster of ``cluster_tiles``
-    blocks where the module has that kernel and the driver can place one."""
-    rows = min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4)
-    block = (cfg.rowsums_tpr, 1)
-    kern = kerns.get("rowsums_cluster")
-    if kern is not None and _driver.max_active_clusters(kern, (1, cfg.cluster_tiles), block, 0):
-        grid = (max(1, min(M, rows // cfg.cluster_tiles)), cfg.cluster_tiles)
-        return Launcher(kern, grid, block, 0, _ROWSUMS_ARGS)
-    return Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -436,8 +426,9 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
            and cdiv(M, block[1]) < 2**31 and "bwd_staged_dyn" in kerns)
     if dyn:
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
-    if not g.fits and not cluster:
-        launch["rowsums"] = _rowsums_launcher(info, cfg, kerns, M)
+    if not g.fits and not cluster:  # the row sums in parts, on the tiles of the main kernel
+        rows = min(M, max(1, info.sms * (info.threads_per_sm // block[0]) * 4 // tiles))
+        launch["rowsums"] = Launcher(kerns["rowsums"], (rows, tiles), block, 0, _ROWSUMS_ARGS)
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:

@@ -154,7 +154,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                          H* __restrict__ hout = nullptr) {
   static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
-  static_assert(CL == 1 || !(STAGE || EARLY_PARAMS || FULL), "clusters: direct rows only");
+  static_assert(CL == 1 || !(EARLY_PARAMS || FULL), "clusters: parameters late, columns tested");
   typedef typename Acc<T>::type C;
   if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
   if constexpr (CL > 1) cluster_allreduce_init<fwd_cluster_slots<CL, WARP>(), 1, C>();
@@ -184,7 +184,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   auto prefetch = [&](cl_i64 row, int b) {
     if constexpr (STAGED) {
       const bool ok = row < M;
-      stage_packs<VEC, NPT>(stage + b * NPT * threads, x + (ok ? row : 0) * ldx, 0, N, ok);
+      stage_packs<VEC, NPT>(stage + b * NPT * threads, x + (ok ? row : 0) * ldx, tile, N, ok);
       async_commit();
     }
   };
@@ -276,13 +276,16 @@ __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS)
 }
 
 // Rows split over the CL blocks of a cluster (sm_90; the planner's choice for rows longer than
-// one block holds, and for rows too few to fill the GPU): x read once where the row fits in the
-// cluster's registers (CHUNKED = false), else in chunks spanning the cluster, read twice. Built
-// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster).
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL, bool CHUNKED>
+// one block holds): x read once where the row fits in the cluster's registers (CHUNKED = false),
+// else in chunks spanning the cluster, read twice. STAGE (one chunk): resident clusters loop
+// over rows, each block copying its part of the next row into shared memory while it reduces
+// this one, so the exchanges' latency overlaps the loads. Built for 16-byte vectors, as the fused
+// add's (norm_fwd_add_cluster, direct).
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL, bool CHUNKED,
+          bool STAGE = false>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_cluster(CLN_FWD_PARAMS) {
-  fwd_rows<CHUNKED, false, false, T, W, LN, VEC, NPT, WARP, false, T, false, CL>(CLN_FWD_ARGS);
+  fwd_rows<CHUNKED, STAGE, false, T, W, LN, VEC, NPT, WARP, false, T, false, CL>(CLN_FWD_ARGS);
 }
 
 template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, int CL,

@@ -75,7 +75,8 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         grids[mode] = plan.grid
         dynamic |= pass_ == "bwd" and plan.dynamic
         staged = plan.variant.endswith("_staged")
-        once = plan.variant == "fwd_chunked" or plan.spec.row  # rows never staged
+        # rows never staged: read in chunks, or the row kernel
+        once = plan.variant in ("fwd_chunked", "fwd_cluster_chunked") or plan.spec.row
         # staged kernels: cp.async, 16-byte vectors (Spec.wide)
         can = _plan.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize == 16
         assert staged == (can and not once and mode == "always"), (mode, plan.grid)
@@ -266,11 +267,13 @@ def test_row_kernel(plans, op, M, N, dt, wdt, params):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [(700, 20000, F16, F16), (5, 16384, BF16, F32),
                                         (33, 32768, F16, F32), (1000, 9000, F32, F32),
-                                        (3, 4100, F64, F64), (2, 70000, F32, F32)])
+                                        (3, 4100, F64, F64), (2, 70000, F32, F32),
+                                        (1, 300000, BF16, F32), (37, 140000, F16, F16)])
 def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
     """Long rows: clusters of column tiles that exchange their row sums (sm_90) and the row
-    sums kernel before the tiles both match the reference, deterministic and not; the plan takes
-    the cluster path exactly where the device has clusters and the row fits in its tiles."""
+    sums kernel (in parts, one per column tile) before the tiles both match the reference,
+    deterministic and not; the plan takes the cluster path exactly where the device has clusters
+    and the row fits in its tiles."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt)
@@ -294,12 +297,13 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (300, 65536, BF16, F32, True), (3, 65544, F16, F16, False), (2, 1 << 20, BF16, BF16, True),
-    (5, 300008, F32, F32, True), (7, 32768, F16, F32, True), (1, 65536, BF16, F32, False),
-    (2, 40000, F64, F64, True)])
+    (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False),
+    (2, 40000, F64, F64, True), (400, 40000, F32, F32, True)])
 def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
-    """Forward rows split over a cluster (long rows in one chunk or in chunks, few rows, rows
-    not a multiple of the cluster's chunk, strided rows) match the reference, as the path
-    without clusters does; the plan takes it exactly where the device has clusters."""
+    """Forward rows longer than a block split over a cluster (in one chunk, staged where
+    resident clusters loop over rows, or in chunks; rows not a multiple of the cluster's chunk,
+    strided rows) match the reference, as the path without clusters does; the plan takes it
+    exactly where the device has clusters."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
@@ -311,7 +315,11 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, layout=every_other_row, config=plans.config)
         info = _plan.device_info(cp.cuda.Device().id)
         assert all((p.spec.tiles > 1) == (on and info.clusters) for p in plans), plans[0].variant
-        assert all(p.spec.tiles == 1 or p.grid == (M, 8) for p in plans)
+        staged = [p.variant == "fwd_cluster_staged" for p in plans]
+        assert all(p.spec.tiles == 1 or (p.grid[0] < M if s else p.grid[0] == M)
+                   for p, s in zip(plans, staged, strict=True))
+        # more rows than an H200 holds clusters of these (at most 132): staged
+        assert any(staged) == (on and info.clusters and M >= 300)
 
 
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])

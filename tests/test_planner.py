@@ -213,49 +213,50 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 21), WARPS, st.booleans())
-@example("bfloat16", 2048, 65536, 32, True)  # longer than a block: one chunk per cluster
+@example("bfloat16", 2048, 65536, 32, True)  # longer than a block: staged, resident clusters
 @example("bfloat16", 64, 1 << 20, 32, True)  # longer than a cluster: chunks
-@example("bfloat16", 1, 65536, 32, True)  # few rows
-@example("bfloat16", 131, 32768, 32, True)  # few rows, fits a block
-@example("float32", 1, 8192, 32, True)  # few rows, too short
-def test_forward_rows_split_over_a_cluster_where_long_or_few(dt, M, N, warp, clusters):
-    """Where clusters exist, every forward row of 16-byte vectors longer than one block holds,
-    and every such row of at least ``cluster_row_bytes`` when there are fewer rows than SMs,
-    is split over ``cluster_tiles`` blocks of whole warps, one cluster per row: in one chunk
-    exactly where the cluster's registers hold the row; no other row is."""
+@example("bfloat16", 1, 65536, 32, True)  # one row: direct
+@example("bfloat16", 131, 32768, 32, True)  # fits a block
+def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters):
+    """Where clusters exist, every forward row of 16-byte vectors longer than one block holds is
+    split over ``cluster_tiles`` blocks of whole warps: in one chunk exactly where the cluster's
+    registers hold the row, staged (resident clusters looping over rows, two buffers of the
+    block's part in shared memory) where there are more rows than resident clusters, else one
+    cluster per row; no other row is."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
-    few = M < 132 and N * size >= FWD.cluster_row_bytes
-    assert (s.tiles > 1) == (clusters and vec * size == 16 and (longer or few))
+    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer)
     if s.tiles == 1:
         return
     tpr = plan.block[0]
     assert s.tiles == FWD.cluster_tiles and plan.block[1] == 1
-    assert plan.grid == (min(M, 132 * FWD.grid_per_sm), s.tiles)  # clusters loop past the cap
     assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == FWD.npt
     cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
-    assert plan.variant == ("fwd_cluster" if cover >= N else "fwd_cluster_chunked")
     assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
+    staged = plan.variant == "fwd_cluster_staged"
+    assert plan.variant == ("fwd_cluster_chunked" if cover < N else
+                            "fwd_cluster_staged" if M > 1 else "fwd_cluster")  # the mock: 1
+    assert plan.grid == ((1 if staged else min(M, 132 * FWD.grid_per_sm)), s.tiles)
+    assert plan.smem == (2 * s.npt * tpr * 16 if staged else 0)
     assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
        st.integers(1, 1 << 21), WARPS, st.booleans())
 @example("bfloat16", 1, 1 << 20, 32, True)
-def test_long_backward_row_sums_over_a_cluster_where_clusters_exist(dt, M, N, warp, clusters):
-    """Rows too long for the backward's cluster of tiles get their row sums first: over a
-    cluster of ``cluster_tiles`` blocks per row where clusters exist and the module builds that
-    kernel (16-byte vectors, single elements), else one block per row."""
+def test_long_backward_row_sums_in_parts_on_the_column_tiles(dt, M, N, warp, clusters):
+    """Rows too long for the backward's cluster of tiles get their row sums first, in parts:
+    one block per column tile of the main kernel's (the same tiles, so the parts are the tiles'
+    and the main kernel adds them in a fixed order), every row covered."""
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
     if "rowsums" not in plan.launch:
         return
-    rs, s = plan.launch["rowsums"], plan.spec
-    over = clusters and (s.vec * s.dtype.itemsize == 16 or s.vec == 1)
-    assert (rs.kern.name == built.get("rowsums_cluster")) == over
-    assert rs.block == (BWD.rowsums_tpr, 1)
-    assert len(rs.grid) == 1 or (rs.grid[1] == BWD.cluster_tiles and rs.grid[0] <= M)
+    rs, main = plan.launch["rowsums"], plan.launch["bwd"]
+    assert rs.block == main.block == (BWD.tile_tpr, 1)
+    cols = BWD.tile_tpr * plan.spec.npt * plan.spec.vec
+    assert rs.grid[1] == main.grid[1] == -(-N // cols) and 1 <= rs.grid[0] <= M
     assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
