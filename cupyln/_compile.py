@@ -86,6 +86,8 @@ class Spec(NamedTuple):
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)
             # (the fused add's: direct, 16-byte vectors)
             clusters = self.tiles > 1 and not self.hip
+            if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
+                names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
             if clusters and self.residual and self.wide:
                 names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, {self.tiles}>"
             elif clusters and not self.residual and (self.wide or self.vec == 1):

@@ -59,11 +59,15 @@ class FwdConfig:
     row_npt_warps: int = 4
     # On sm_90, rows longer than one block holds split over a cluster of `cluster_tiles` blocks
     # that add their sums through distributed shared memory: read once, not twice, up to
-    # cluster_tiles * tpr_max * npt vectors (2048x65536 bf16: 219 against 259 us direct; few
-    # rows use 8 SMs each: 1x65536 bf16 9.0 against 18.2). Rows that fit one block lost when
-    # split for few rows (64x32768 bf16: 10.5 against 9.9 us).
+    # cluster_tiles * tpr_max * npt vectors (2048x65536 bf16: 196 us staged, 219 direct, 260
+    # unsplit; 512x262144 bf16: 227 against 290). Rows of one block lost when split for few rows
+    # (64x32768 bf16: 10.5 against 9.9 us).
     cluster: bool = True
     cluster_tiles: int = 8
+    # Rows longer than a cluster holds (read in chunks, twice) split only while the unsplit rows
+    # would leave SMs idle, M <= sms * cluster_chunks_fill (64x1048576 bf16: 183 against 228 us;
+    # 128 rows: 332 against 279).
+    cluster_chunks_fill: float = 0.5
 
     __post_init__ = _check_stage
 
@@ -97,11 +101,13 @@ class BwdConfig:
     # Staged rows handed out by a ticket counter when the call need not be deterministic
     # (131072x4096 bf16: 3.5% faster than static rows).
     dynamic: bool = True
-    # Long rows without clusters: column tiles of `tile_tpr` threads x `tile_npt` vectors after a
-    # row-sums kernel on the same tiles, whose parts each row adds (every SM streams even for one
-    # row: 1x1048576 bf16 with a block per row took 150 us).
+    # Long rows without clusters of tiles: column tiles of `tile_tpr` threads x `tile_npt` vectors
+    # after a row-sums kernel of `rowsums_tpr` threads per row; on sm_90, for rows that leave
+    # SMs idle (at most `sms / cluster_tiles` of them), the row sums over a cluster of
+    # cluster_tiles blocks (1x1048576 bf16: 72 against 150 us; at 64 rows it lost 5%).
     tile_tpr: int = 256
     tile_npt: int = 2
+    rowsums_tpr: int = 1024
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

@@ -126,9 +126,7 @@ class HotBwd:
         self.counted = self.flushed or dynamic
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
-                   # the row sums' parts, one per column tile: [M, tiles, 2]
-                   "rowsums": M * plan.grid[1] * 2 * acc.itemsize
-                   if "rowsums" in plan.launch else 0,
+                   "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
                    "own": self.acc_bytes if self.counted else 0}
         self.layout = Layout(new, [n for n in scratch.values() if n])
         offs = iter(self.layout.scratch)

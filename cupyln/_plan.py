@@ -321,15 +321,17 @@ def fwd_cluster_rows(cfg: FwdConfig, info, dtype, vec, g):
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each: one chunk where
-    the row fits, staged where resident clusters loop over rows; else chunks of ``tpr_max``
-    threads per block, one cluster per row. None where the rule says no or the driver cannot
-    place such a cluster."""
+    the row fits, staged where resident clusters loop over rows; else, for few rows, chunks of
+    ``tpr_max`` threads per block, one cluster per row. None where the rules say no or the
+    driver cannot place such a cluster."""
     cfg = config.fwd
     if not fwd_cluster_rows(cfg, info, dtype, vec, g):
         return None
     tiles = cfg.cluster_tiles
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     main = "fwd_cluster_chunked" if tpr > cfg.tpr_max else "fwd_cluster"
+    if main == "fwd_cluster_chunked" and M > info.sms * cfg.cluster_chunks_fill:
+        return None
     block = (min(tpr, cfg.tpr_max), 1)
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
                 hdtype=hdtype)
@@ -373,10 +375,25 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
                                        0) > 0:
             return spec, kerns, (tpr, 1), cfg.cluster_tiles, True
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, hip=info.hip,
+    # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
+    tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
                 residual=residual)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
+
+
+def _rowsums_launcher(info, cfg: BwdConfig, kerns, M):
+    """The row sums before column tiles: one row per block, or, for rows too few to give every
+    SM a block (M * cluster_tiles <= SMs), per cluster of ``cluster_tiles`` blocks where the
+    module has that kernel and the driver can place one."""
+    rows = min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4)
+    block = (cfg.rowsums_tpr, 1)
+    kern = kerns.get("rowsums_cluster")
+    if (kern is not None and M * cfg.cluster_tiles <= info.sms
+            and _driver.max_active_clusters(kern, (1, cfg.cluster_tiles), block, 0)):
+        return Launcher(kern, (M, cfg.cluster_tiles), block, 0, _ROWSUMS_ARGS)
+    return Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -426,9 +443,8 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
            and cdiv(M, block[1]) < 2**31 and "bwd_staged_dyn" in kerns)
     if dyn:
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
-    if not g.fits and not cluster:  # the row sums in parts, on the tiles of the main kernel
-        rows = min(M, max(1, info.sms * (info.threads_per_sm // block[0]) * 4 // tiles))
-        launch["rowsums"] = Launcher(kerns["rowsums"], (rows, tiles), block, 0, _ROWSUMS_ARGS)
+    if not g.fits and not cluster:
+        launch["rowsums"] = _rowsums_launcher(info, cfg, kerns, M)
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:

@@ -19,8 +19,7 @@
 // takes more rows than a slow one; otherwise block b takes rows b, b + G, ... (bwd_rows).
 // Rows too long for registers run on column tiles (gridDim.y > 1): on sm_90 in clusters of
 // blocks that exchange their tiles' row sums (norm_bwd_cluster: x and dy read once), elsewhere
-// after norm_bwd_rowsums has computed each tile's part of the row's two sums (x and dy read
-// twice; the tiles' parts added here in a fixed order). Where blocks loop
+// after norm_bwd_rowsums has computed each row's two sums (x and dy read twice). Where blocks loop
 // over rows, the staged variant (STAGE, CUDA sm_80 on) copies each block's next row into shared
 // memory while it reduces this one, so the row's loads stay in flight through its reductions.
 #include "bwd_common.cuh"
@@ -326,13 +325,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         s[0] += g[k][j];
         s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
       }
-    if (rowsums) {  // long rows: the tiles' parts from norm_bwd_rowsums, [row][tile][2]
-      s[0] = s[1] = C(0);
-      for (int i = t; valid && i < (int)gridDim.y; i += blockDim.x) {
-        s[0] += rowsums[2 * (row * gridDim.y + i)];
-        s[1] += rowsums[2 * (row * gridDim.y + i) + 1];
-      }
-      row_allreduce<WARP>(s, phase);
+    if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
+      s[0] = valid ? rowsums[2 * row] : C(0);
+      s[1] = valid ? rowsums[2 * row + 1] : C(0);
     } else if constexpr (CL > 1) {
       cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
     } else {
@@ -416,18 +411,22 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 }
 
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers
-// hold, in parts: block (i, t) sums column tile t (blockDim.x * NPT * VEC columns, the tiles of
-// the norm_bwd launch that follows, gridDim.y of them) of rows i, i + gridDim.x, ..., into
-// rowsums[row][t][2]. Every SM streams even for one row (a block per row read 1x1048576 bf16 on
-// one SM).
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP>
-__global__ void __launch_bounds__(1024)
+// hold: one row per block (blockDim.y == 1), the row read in chunks of blockDim.x * NPT * VEC;
+// CL > 1 (sm_90): one row per cluster of CL blocks (gridDim.y == CL), block r reading chunks r,
+// r + CL, ..., their sums added through the cluster, so that few rows still keep CL SMs each
+// streaming.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1>
+__global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
                  const W* __restrict__ gamma, const float* __restrict__ mean,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  const cl_i64 c0 = (cl_i64)blockIdx.y * blockDim.x * NPT * VEC;
+  constexpr int SLOTS = CL * (1024 / WARP);
+  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
+  if constexpr (CL > 1) cluster_allreduce_init<SLOTS, 2, C>();
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
+  const cl_i64 first = CL > 1 ? blockIdx.y * chunk : 0;
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const T* xr = x + row * ldx;
@@ -435,32 +434,36 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     const C mu = LN ? (C)mean[row] : C(0);
     const C rs = (C)rstd[row];
     C s[2] = {C(0), C(0)};
+    for (cl_i64 c0 = first; c0 < N; c0 += CL * chunk) {
 #pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-      if (col >= N) continue;
-      C xv[VEC], dv[VEC], g[VEC];
-      load_vec<VEC>(xr + col, xv);
-      load_vec<VEC>(dyr + col, dv);
-      if (gamma) {
-        load_vec<VEC>(gamma + col, g);
-      } else {
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+        if (col >= N) continue;
+        C xv[VEC], dv[VEC], g[VEC];
+        load_vec<VEC>(xr + col, xv);
+        load_vec<VEC>(dyr + col, dv);
+        if (gamma) {
+          load_vec<VEC>(gamma + col, g);
+        } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) g[j] = C(1);
-      }
+          for (int j = 0; j < VEC; ++j) g[j] = C(1);
+        }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const C gj = g[j] * dv[j];
-        s[0] += gj;
-        s[1] += gj * ((xv[j] - mu) * rs);
+        for (int j = 0; j < VEC; ++j) {
+          const C gj = g[j] * dv[j];
+          s[0] += gj;
+          s[1] += gj * ((xv[j] - mu) * rs);
+        }
       }
     }
-    row_allreduce<WARP>(s, phase);
-    if (threadIdx.x == 0) {
-      rowsums[2 * (row * gridDim.y + blockIdx.y)] = s[0];
-      rowsums[2 * (row * gridDim.y + blockIdx.y) + 1] = s[1];
+    if constexpr (CL > 1) cluster_allreduce<CL, SLOTS, WARP>(s, phase);
+    else row_allreduce<WARP>(s, phase);
+    if (threadIdx.x == 0 && (CL == 1 || blockIdx.y == 0)) {
+      rowsums[2 * row] = s[0];
+      rowsums[2 * row + 1] = s[1];
     }
   }
+  if constexpr (CL > 1) cluster_sync();  // no block leaves while its sums are on their way
 }
 
 // Deterministic dgamma/dbeta: sum the [P, 2N] partials over P in a fixed order and cast.

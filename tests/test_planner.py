@@ -222,12 +222,15 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     split over ``cluster_tiles`` blocks of whole warps: in one chunk exactly where the cluster's
     registers hold the row, staged (resident clusters looping over rows, two buffers of the
     block's part in shared memory) where there are more rows than resident clusters, else one
-    cluster per row; no other row is."""
+    cluster per row; rows longer than the cluster holds only where they are few (at most
+    ``cluster_chunks_fill`` of the SMs); no other row is."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
-    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer)
+    held = N // vec <= FWD.cluster_tiles * FWD.tpr_max * FWD.npt  # by one chunk of a cluster
+    few = M <= 132 * FWD.cluster_chunks_fill
+    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and (held or few))
     if s.tiles == 1:
         return
     tpr = plan.block[0]
@@ -246,17 +249,20 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
        st.integers(1, 1 << 21), WARPS, st.booleans())
 @example("bfloat16", 1, 1 << 20, 32, True)
-def test_long_backward_row_sums_in_parts_on_the_column_tiles(dt, M, N, warp, clusters):
-    """Rows too long for the backward's cluster of tiles get their row sums first, in parts:
-    one block per column tile of the main kernel's (the same tiles, so the parts are the tiles'
-    and the main kernel adds them in a fixed order), every row covered."""
+@example("bfloat16", 64, 1 << 20, 32, True)
+def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clusters):
+    """Rows too long for the backward's cluster of tiles get their row sums first: over a
+    cluster of ``cluster_tiles`` blocks per row where clusters exist, the module builds that
+    kernel (16-byte vectors, single elements) and the rows are too few to give every SM a block
+    (M * cluster_tiles <= SMs), else one block per row."""
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
     if "rowsums" not in plan.launch:
         return
-    rs, main = plan.launch["rowsums"], plan.launch["bwd"]
-    assert rs.block == main.block == (BWD.tile_tpr, 1)
-    cols = BWD.tile_tpr * plan.spec.npt * plan.spec.vec
-    assert rs.grid[1] == main.grid[1] == -(-N // cols) and 1 <= rs.grid[0] <= M
+    rs, s = plan.launch["rowsums"], plan.spec
+    over = clusters and (s.vec * s.dtype.itemsize == 16 or s.vec == 1) and M * 8 <= 132
+    assert (rs.kern.name == built.get("rowsums_cluster")) == over
+    assert rs.block == (BWD.rowsums_tpr, 1)
+    assert rs.grid == ((M, BWD.cluster_tiles) if over else (min(M, 132 * 2 * 4),))
     assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
