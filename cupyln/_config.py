@@ -64,10 +64,11 @@ class FwdConfig:
     # (64x32768 bf16: 10.5 against 9.9 us).
     cluster: bool = True
     cluster_tiles: int = 8
-    # Rows longer than a cluster holds (read in chunks, twice) split only while the unsplit rows
-    # would leave SMs idle, M <= sms * cluster_chunks_fill (64x1048576 bf16: 183 against 228 us;
-    # 128 rows: 332 against 279).
-    cluster_chunks_fill: float = 0.5
+    # Split rows that nothing overlaps (longer than a cluster holds, read twice in chunks; the
+    # fused add's, unstaged, in blocks of tpr_max threads, one per SM) only for few rows, M <=
+    # sms * cluster_few_rows, which unsplit leave SMs idle (64x1048576 bf16: 183 against 228
+    # us, but 128 rows: 332 against 279; fused RMSNorm 512x262144 bf16: 391 against 342).
+    cluster_few_rows: float = 0.5
 
     __post_init__ = _check_stage
 

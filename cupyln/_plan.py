@@ -322,16 +322,18 @@ def fwd_cluster_rows(cfg: FwdConfig, info, dtype, vec, g):
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each: one chunk where
     the row fits, staged where resident clusters loop over rows; else, for few rows, chunks of
-    ``tpr_max`` threads per block, one cluster per row. None where the rules say no or the
-    driver cannot place such a cluster."""
+    ``tpr_max`` threads per block, one cluster per row (the fused add: direct, and in blocks of
+    ``tpr_max`` threads for few rows only). None where the rules say no or the driver cannot
+    place such a cluster."""
     cfg = config.fwd
     if not fwd_cluster_rows(cfg, info, dtype, vec, g):
         return None
     tiles = cfg.cluster_tiles
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     main = "fwd_cluster_chunked" if tpr > cfg.tpr_max else "fwd_cluster"
-    if main == "fwd_cluster_chunked" and M > info.sms * cfg.cluster_chunks_fill:
-        return None
+    alone = main == "fwd_cluster_chunked" or (hdtype is not None and tpr >= cfg.tpr_max)
+    if alone and M > info.sms * cfg.cluster_few_rows:
+        return None  # nothing overlaps the exchanges: split only where SMs would idle
     block = (min(tpr, cfg.tpr_max), 1)
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
                 hdtype=hdtype)

@@ -223,13 +223,13 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     registers hold the row, staged (resident clusters looping over rows, two buffers of the
     block's part in shared memory) where there are more rows than resident clusters, else one
     cluster per row; rows longer than the cluster holds only where they are few (at most
-    ``cluster_chunks_fill`` of the SMs); no other row is."""
+    ``cluster_few_rows`` of the SMs); no other row is."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
     held = N // vec <= FWD.cluster_tiles * FWD.tpr_max * FWD.npt  # by one chunk of a cluster
-    few = M <= 132 * FWD.cluster_chunks_fill
+    few = M <= 132 * FWD.cluster_few_rows
     assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and (held or few))
     if s.tiles == 1:
         return
@@ -317,16 +317,24 @@ def test_every_kernel_a_plan_builds_is_in_the_offline_list(dt, M, N, warp, targe
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
        st.integers(1, 1 << 17), WARPS, st.booleans(), st.booleans())
+@example("bfloat16", 512, 262144, 32, True, False)  # many rows of 1024-thread blocks: unsplit
+@example("bfloat16", 2048, 65536, 32, True, False)  # 256-thread blocks: split
+@example("bfloat16", 64, 1 << 20, 32, False, False)  # few rows: split, in chunks
 def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h, hip):
     """The fused residual add's forward runs its own kernels (direct rows of one chunk, or
-    chunks), at 16-byte vectors or single elements, with the general path's geometry; every
-    kernel it builds is compiled offline."""
+    chunks, or rows split over a cluster), at 16-byte vectors or single elements, with the
+    general path's geometry; every kernel it builds is compiled offline."""
     dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
     hdtype = h_dtypes(dtype)[-1 if wide_h else 0]
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
     plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip)
-    assert plan.spec.tiles == plain.spec.tiles  # split over a cluster where the plain rows are
+    # split over a cluster where the plain rows are, but (unstaged) in blocks of tpr_max threads
+    # only for few rows
+    few = M <= 132 * FWD.cluster_few_rows
+    assert plan.spec.tiles == 1 or (plain.spec.tiles > 1 and (plan.block[0] < FWD.tpr_max or few))
+    assert plain.spec.tiles == 1 or plan.spec.tiles > 1 or (plain.block[0] == FWD.tpr_max
+                                                            and not few)
     if plan.spec.tiles > 1:
         assert set(built) == {"fwd_cluster", "fwd_cluster_chunked"}
         assert all(n.startswith("norm_fwd_add_cluster<") for n in built.values())
