@@ -91,6 +91,11 @@ __device__ __forceinline__ void st_async1(unsigned int a, double v, unsigned int
 }
 #endif
 
+// The exchange's slots of a cluster of CL blocks of at most THREADS threads (its launch bound).
+template <int CL, int WARP, int THREADS> __host__ __device__ constexpr int cluster_slots() {
+  return CL * (THREADS / WARP);
+}
+
 // Before the first cluster_allreduce: the mbarriers initialized, and visible to the cluster
 // before any block stores into another. S: the exchange's slots (CL times the most warps).
 template <int S, int K, typename C> __device__ __forceinline__ void cluster_allreduce_init() {

@@ -173,7 +173,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   typedef Pack<T, VEC> P;
   // one cluster per row (the config's cluster_tiles), a row of whole warps per block (the
   // exchange's slots: CL times the launch bound's warps)
-  constexpr int CSLOTS = CL * bwd_max_threads(NPT) / WARP;
+  constexpr int CSLOTS = cluster_slots<CL, WARP, bwd_max_threads(NPT)>();
   if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
@@ -422,7 +422,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
-  constexpr int SLOTS = CL * (1024 / WARP);
+  constexpr int SLOTS = cluster_slots<CL, WARP, 1024>();
   if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
   if constexpr (CL > 1) cluster_allreduce_init<SLOTS, 2, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;

@@ -3,22 +3,18 @@
 // Geometry (decided by cupyln/_plan.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
 // chunk. When the row is one chunk (the common case) x is read from memory once; longer rows
-// are read twice (statistics, then output). Where blocks loop over rows, the staged variant
+// are read twice (statistics, then output), or on sm_90 split over the blocks of a cluster
+// (CL > 1: blockDim = (tpr, 1), gridDim.y = CL). Where blocks loop over rows, the staged variant
 // (STAGE, CUDA sm_80 on) copies each block's next rows into shared memory while it reduces and
 // writes these, as the backward does. Statistics are exact per chunk (sum, then centered
 // sum of squares) and merged across chunks with Chan's formula: never E[x^2] - E[x]^2.
 #include "cluster.cuh"
 
 
-// The exchange's slots of a forward cluster of CL blocks (CL times the launch bound's warps).
-template <int CL, int WARP> __host__ __device__ constexpr int fwd_cluster_slots() {
-  return CL * (1024 / WARP);
-}
-
 // Sum over a row's threads: of one block, or (CL > 1) of the CL blocks of a cluster.
 template <int CL, int WARP, int TPR, typename C>
 __device__ __forceinline__ void tile_allreduce(C (&v)[1], int phase) {
-  if constexpr (CL > 1) cluster_allreduce<CL, fwd_cluster_slots<CL, WARP>(), WARP>(v, phase);
+  if constexpr (CL > 1) cluster_allreduce<CL, cluster_slots<CL, WARP, 1024>(), WARP>(v, phase);
   else row_allreduce<WARP, TPR>(v, phase);
 }
 
@@ -157,7 +153,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   static_assert(CL == 1 || !(EARLY_PARAMS || FULL), "clusters: parameters late, columns tested");
   typedef typename Acc<T>::type C;
   if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
-  if constexpr (CL > 1) cluster_allreduce_init<fwd_cluster_slots<CL, WARP>(), 1, C>();
+  if constexpr (CL > 1) cluster_allreduce_init<cluster_slots<CL, WARP, 1024>(), 1, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
   const cl_i64 span = CL * chunk;
   const cl_i64 tile = CL > 1 ? (cl_i64)blockIdx.y * chunk : 0;  // this block's, in the chunk
