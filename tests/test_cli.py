@@ -25,6 +25,13 @@ def test_version():
     assert r.returncode == 0 and r.stdout.strip() == f"cupyln {cupyln.__version__}"
 
 
+def test_installed_version_is_the_package_version():
+    """The wheel's metadata takes its version from cupyln.__version__ (one place)."""
+    from importlib import metadata
+
+    assert metadata.version("cupyln") == cupyln.__version__
+
+
 @pytest.mark.parametrize("args", [("bogus",), ("check", "--bogus"), ("info", "extra")])
 def test_unknown_arguments_exit_2(args):
     r = _run("cupyln", *args)
