@@ -92,12 +92,17 @@ def _check_param_dtype(name, p, x_dtype):
         )
 
 
+def _real(name, v):
+    """``v`` as a float: a real number, not a bool."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    return float(v)
+
+
 def _check_eps(eps):
     if type(eps) is float and math.isfinite(eps) and eps >= 0:  # the common case, fast
         return eps
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    eps = float(eps)
+    eps = _real("eps", eps)
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return eps
@@ -107,10 +112,7 @@ def _check_offset(weight_offset, gamma):
     """weight_offset as a float: finite, and nonzero only with a gamma to offset."""
     if type(weight_offset) is float and weight_offset == 0.0:  # the common case, fast
         return 0.0
-    if isinstance(weight_offset, (bool, np.bool_)) or not isinstance(weight_offset,
-                                                                      numbers.Real):
-        raise TypeError(f"weight_offset must be a real number, got {type(weight_offset).__name__}")
-    v = float(weight_offset)
+    v = _real("weight_offset", weight_offset)
     if not math.isfinite(v):
         raise ValueError(f"weight_offset must be finite, got {v}")
     if v != 0.0 and gamma is None:
