@@ -110,6 +110,14 @@ template <int S, int K, typename C> __device__ __forceinline__ void cluster_allr
 #endif
 }
 
+// Before a kernel's first exchange: its launch must be rows split over CL blocks along y, one
+// row per block in whole warps (a mismatch traps), and the exchange's mbarriers are made ready.
+template <int CL, int WARP, int S, int K, typename C>
+__device__ __forceinline__ void cluster_rows_init() {
+  if (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0) cl_trap();
+  cluster_allreduce_init<S, K, C>();
+}
+
 // Sums over the row's threads in the CL blocks of a cluster (blockDim = (whole warps, 1), at
 // most S / CL warps) of this row's K values (one or two); `phase` counts the calls.
 template <int CL, int S, int WARP, int K, typename C>

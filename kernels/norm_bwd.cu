@@ -174,13 +174,12 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // one cluster per row (the config's cluster_tiles), a row of whole warps per block (the
   // exchange's slots: CL times the launch bound's warps)
   constexpr int CSLOTS = cluster_slots<CL, WARP, bwd_max_threads(NPT)>();
-  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
+  if constexpr (CL > 1) cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
-  if constexpr (CL > 1) cluster_allreduce_init<CSLOTS, 2, C>();
   typedef typename Held<W, VEC>::type G;
   // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
   // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
@@ -423,8 +422,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
   constexpr int SLOTS = cluster_slots<CL, WARP, 1024>();
-  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
-  if constexpr (CL > 1) cluster_allreduce_init<SLOTS, 2, C>();
+  if constexpr (CL > 1) cluster_rows_init<CL, WARP, SLOTS, 2, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const cl_i64 first = CL > 1 ? blockIdx.y * chunk : 0;
   int phase = 0;

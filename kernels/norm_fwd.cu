@@ -152,8 +152,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
   static_assert(CL == 1 || !(EARLY_PARAMS || FULL), "clusters: parameters late, columns tested");
   typedef typename Acc<T>::type C;
-  if (CL > 1 && (gridDim.y != CL || blockDim.y != 1 || blockDim.x % WARP != 0)) cl_trap();
-  if constexpr (CL > 1) cluster_allreduce_init<cluster_slots<CL, WARP, 1024>(), 1, C>();
+  if constexpr (CL > 1) cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
   const cl_i64 span = CL * chunk;
   const cl_i64 tile = CL > 1 ? (cl_i64)blockIdx.y * chunk : 0;  // this block's, in the chunk
