@@ -84,12 +84,15 @@ class Spec(NamedTuple):
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N:
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)
-            # (the fused add's: direct, 16-byte vectors)
+            # (the fused add's: 16-byte vectors)
             clusters = self.tiles > 1 and not self.hip
             if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
                 names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
             if clusters and self.residual and self.wide:
-                names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, {self.tiles}>"
+                names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, cln::direct, {self.tiles}>"
+                if self.stages:
+                    staged = f"norm_bwd_add_cluster<{a}, cln::staged, {self.tiles}>"
+                    names["bwd_cluster_staged"] = staged
             elif clusters and not self.residual and (self.wide or self.vec == 1):
                 names["bwd_cluster"] = f"norm_bwd_cluster<{a}, cln::direct, {self.tiles}>"
                 if self.stages:

@@ -378,18 +378,18 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd(CLN_BWD_PARAMS)
 }
 
 // The fused residual add's backward (bwd_rows' ADD): rows within a block or column tiles, direct
-// or staged, and long rows in clusters of CL column tiles (direct, 16-byte vectors). Built for
-// 16-byte vectors and single elements only, as the fused forward.
+// or staged, and long rows in clusters of CL column tiles (direct or staged, 16-byte vectors).
+// Built for 16-byte vectors and single elements only, as the fused forward.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_add(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, false, true>(CLN_BWD_ARGS);
 }
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL>
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_add_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, false, CL, false, 1, false, true>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false, 1, false, true>(CLN_BWD_ARGS);
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
