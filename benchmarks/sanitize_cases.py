@@ -1,6 +1,7 @@
 """Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
 
-Variants: forward (one chunk, several chunks, rows split over a cluster), backward with atomics
+Variants: forward (one chunk, several chunks, rows split over a cluster or in parts over the
+grid), backward with atomics
 and deterministic, both with staged rows (cp.async; backward rows static or from tickets) and
 direct loads, for short rows
 (several per block), block rows (of 8, 16 and 32 warps), and long rows (clusters of column
@@ -25,8 +26,9 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 33, 1000, "float32", None),        # one block per row (norm_fwd_row)
     ("layernorm", 32, 512, "bfloat16", None),        # norm_fwd_row without column tests
     ("rmsnorm", 33, 1000, "float16", None),
-    ("layernorm", 3, 140000, "float16", None),       # forward cluster; row sums + column tiles
-    ("rmsnorm", 2, 600000, "bfloat16", None),        # forward cluster in chunks
+    ("layernorm", 3, 140000, "float16", None),       # forward parts or cluster; row sums + tiles
+    ("rmsnorm", 2, 600000, "bfloat16", None),        # forward parts, or a cluster in chunks
+    ("layernorm", 2, 70001, "float32", None),        # forward parts of single elements
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
     ("layernorm", 40, 16384, "bfloat16", "float32"),
     ("layernorm", 150, 16384, "float16", None),      # staged clusters over several rows
@@ -50,8 +52,9 @@ bad = 0
 for op, M, N, dt, wdt in CASES:
     for det, atomic, stage, csum, fused in VARIANTS:
         # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
-        # cluster (direct rows), or the last block summing
-        config = Config(fwd=FwdConfig(stage=stage),
+        # cluster (direct rows), or the last block summing; few long forward rows in parts over
+        # the grid, or (without csum) split over a cluster or read in chunks
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=0.5 if csum else 0),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum))
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
                             fused=fused)

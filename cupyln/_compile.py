@@ -125,9 +125,12 @@ class Spec(NamedTuple):
             return names
         a = self._args()
         fwd = f"norm_fwd<{a}, cln::direct"
+        base = f"{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}"
         names = {"fwd": f"{fwd}, cln::params_late, cln::cols_tested>",
-                 "fwd_chunked": f"norm_fwd_chunked<{t}, {w}, {_op(self.is_ln)}, {self.vec}, "
-                                f"{self.warp}>"}
+                 "fwd_chunked": f"norm_fwd_chunked<{base}>"}
+        if self.wide or self.vec == 1:  # few long rows split over the grid, in two launches
+            names["fwd_parts"] = f"norm_fwd_parts<{base}, cln::part_stats>"
+            names["fwd_apply"] = f"norm_fwd_parts<{base}, cln::part_apply>"
         if self.stages:
             names["fwd_staged"] = f"norm_fwd<{a}, cln::staged, cln::params_late, cln::cols_tested>"
         # gamma/beta loaded with the row: 4-byte and wider types only (2-byte ones spill)

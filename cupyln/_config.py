@@ -69,6 +69,12 @@ class FwdConfig:
     # sms * cluster_few_rows, which unsplit leave SMs idle (64x1048576 bf16: 183 against 228
     # us, but 128 rows: 332 against 279; fused RMSNorm 512x262144 bf16: 391 against 342).
     cluster_few_rows: float = 0.5
+    # Rows longer than one block, at most sms * parts_rows of them, split over the grid in two
+    # launches (statistics of each part, then the parts merged and y written, x read again from
+    # L2), `parts_per_sm` blocks per SM in all: every SM streams where a block or a cluster per
+    # row would leave most idle. 0 turns it off.
+    parts_rows: float = 0.5
+    parts_per_sm: int = 2
 
     __post_init__ = _check_stage
 

@@ -47,7 +47,7 @@ class _on_device:
 
 
 class HotFwd:
-    __slots__ = ("dev", "launch", "layout", "given", "consts", "xmask", "wmask", "hmask",
+    __slots__ = ("dev", "launch", "parts", "layout", "given", "consts", "xmask", "wmask", "hmask",
                  "is_ln", "ext", "add", "ldr")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, ldr=0):
@@ -57,8 +57,12 @@ class HotFwd:
         parts += [(x_shape, hdtype)] if self.add else []
         self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
+        # rows in parts: their statistics in scratch after the outputs (one allocation)
+        self.parts = plan.launch.get("fwd_parts")
+        part_bytes = M * plan.grid[0] * 2 * ACC_DTYPES[plan.spec.dtype].itemsize
         self.layout = Layout([p for i, p in enumerate(parts)
-                               if self.given is None or not self.given[i]])
+                              if self.given is None or not self.given[i]],
+                             [part_bytes] if self.parts else [])
         self.consts = (ldx, M, N, eps)
         self.ext = Extents()
         v = plan.spec.vec
@@ -73,7 +77,7 @@ class HotFwd:
         xp = x.data.ptr
         gp = 0 if gamma is None else gamma.data.ptr
         bp = 0 if beta is None else beta.data.ptr
-        outs = self.layout.make()[0]
+        outs, mem = self.layout.make()
         if self.given:
             outs = fill(out, outs)
         y, rstd = outs[0], outs[2 if self.is_ln else 1]
@@ -92,7 +96,13 @@ class HotFwd:
         if self.given and self.ext.overlap(out, ins, (*ptrs, *map(ptr, out))):
             return None
         ldx, M, N, eps = self.consts
-        self.launch(_current_stream().ptr, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
+        stream = _current_stream().ptr
+        if self.parts:
+            if not self.layout.parts and _is_capturing(stream):
+                _CAPTURED.append(mem)  # scratch alone, written by every replay: kept
+            add = (mem.ptr + self.layout.scratch[0],)
+            self.parts(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
+        self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
         return tuple(outs)
 
 

@@ -283,6 +283,10 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     info, cfg = device_info(dev_id), config.fwd
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
+    if hdtype is None:
+        parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g)
+        if parts is not None:
+            return parts
     cluster = _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     if cluster is not None:
         return cluster
@@ -350,6 +354,31 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(args, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def parts_geometry(cfg: FwdConfig, info, M, N, vec):
+    """(threads per block, parts per row) of rows split over the grid: about ``parts_per_sm``
+    blocks per SM over all rows, whole warps of ``npt`` vectors each, at most ``tpr_max``."""
+    nvec = cdiv(N, vec)
+    per_row = cdiv(cfg.parts_per_sm * info.sms, M)
+    tpr = min(max(round_up(cdiv(nvec, cfg.npt * per_row), info.warp), info.warp), cfg.tpr_max)
+    return tpr, cdiv(nvec, cfg.npt * tpr)
+
+
+def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g):
+    """Rows longer than one block, at most ``sms * parts_rows`` of them, each split over
+    blocks of the grid (two launches: the parts' statistics, then y); None elsewhere."""
+    cfg = config.fwd
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip)
+    if g.fits or M > info.sms * cfg.parts_rows or M >= 2**16 or "fwd_parts" not in \
+            spec.names("fwd"):
+        return None
+    tpr, parts = parts_geometry(cfg, info, M, N, vec)
+    kerns = _compile.kernels(spec, "fwd", config.source)
+    grid, block, kinds = (parts, M), (tpr, 1), _kinds(_FWD_ARGS + "p", dtype)
+    launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
+              "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
+    return Plan(spec, "fwd_parts", kerns["fwd_apply"], grid, block, 0, launch)
 
 
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):

@@ -19,6 +19,7 @@ constexpr bool cols_full = true, cols_tested = false;   // every vector lies in 
 constexpr bool last_block_sums = true, partials = false;  // who sums dgamma/dbeta partials
 constexpr bool tickets = true;                           // rows handed out by a counter
 constexpr bool chunks = true, one_chunk = false;        // a row read in chunks (twice)
+constexpr bool part_apply = true, part_stats = false;   // the two launches of rows in parts
 }  // namespace cln
 
 // Stops the kernel with an error: for host/kernel mismatches that would give wrong results.

@@ -291,6 +291,65 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
                                                                               ldr, hout);
 }
 
+// Few long rows split over the grid, in two launches (gridDim = (G parts per row, M), one chunk
+// of blockDim.x * 4 vectors per block): APPLY = false writes each part's statistics (mean and
+// centred sum of squares; RMSNorm's sum of squares) to part[row][G][2]; APPLY = true merges the
+// row's G parts, every warp of every block in the same order (so the same bits), reads its
+// chunk again (from L2 where the first launch just read it) and writes y. Every SM streams where
+// a row per block or per cluster would leave most idle; any device.
+template <typename T, typename W, bool LN, int VEC, int WARP, bool APPLY>
+__global__ void __launch_bounds__(1024)
+norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
+  typedef typename Acc<T>::type C;
+  constexpr int NPT = 4;
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
+  const int G = gridDim.x;
+  if (blockDim.y != 1 || blockDim.x % WARP != 0 || (cl_i64)gridDim.y != M ||
+      (cl_i64)G * chunk < N || t0 >= N)
+    cl_trap();
+  const cl_i64 row = blockIdx.y;
+  typename RowVec<T, VEC>::type p[NPT];
+  load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
+  C* pr = part + row * G * 2;
+  const C inv_n = cl_inv_count(C(0), N);
+  if constexpr (!APPLY) {
+    C n = C(0), mean = C(0), m2 = C(0);
+    chunk_stats<true, LN, WARP, VEC, NPT, false, 0, 1>(p, t0, t0, N, chunk, 0, inv_n, n, mean,
+                                                       m2);
+    if (threadIdx.x == 0) {
+      pr[2 * blockIdx.x] = mean;
+      pr[2 * blockIdx.x + 1] = m2;
+    }
+  } else {
+    auto count = [&](int i) {  // elements of part i
+      const cl_i64 left = N - i * chunk;
+      return (C)(left < chunk ? left : chunk);
+    };
+    const int lane = threadIdx.x % WARP;
+    C s[1] = {C(0)};
+    for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
+    warp_allreduce<WARP>(s);
+    const C mu = LN ? cl_mul(s[0], inv_n) : C(0);
+    if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
+      C q[1] = {C(0)};
+      for (int i = lane; i < G; i += WARP) {
+        const C d = pr[2 * i] - mu;
+        q[0] += pr[2 * i + 1] + count(i) * d * d;
+      }
+      warp_allreduce<WARP>(q);
+      s[0] = q[0];
+    }
+    const C rstd = cl_rsqrt(s[0] * inv_n + eps);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (LN) mean_out[row] = (float)mu;
+      rstd_out[row] = (float)rstd;
+    }
+    typename Held<W, VEC>::type hg[NPT], hb[NPT];
+    write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
+                                        hg, hb);
+  }
+}
+
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
 // small M in at most fwd.row_warps whole warps, one row per block, or for rows of at most a
 // warp, blockDim.y of them per block, whatever M; fwd.npt vectors for rows of 2 to

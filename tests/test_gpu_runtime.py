@@ -40,7 +40,9 @@ def test_non_blocking_stream():
       for f in ("default", "deterministic", "atomic", "last block")),
     # staged backward rows from tickets (not deterministic), their counter after the flush's
     # in the scratch
-    ("default", 6000, 1024), ("atomic", 6000, 1024)])
+    ("default", 6000, 1024), ("atomic", 6000, 1024),
+    # few long rows: the forward's parts in scratch, the backward's row sums and column tiles
+    ("default", 3, 70000)])
 def test_cuda_graph_capture_and_replay(flush, M, N, given):
     """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on
     another stream while the same signature runs on the capturing one): the results match the

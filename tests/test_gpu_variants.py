@@ -76,7 +76,8 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         dynamic |= pass_ == "bwd" and plan.dynamic
         staged = plan.variant.endswith("_staged")
         # rows never staged: read in chunks, or the row kernel
-        once = plan.variant in ("fwd_chunked", "fwd_cluster_chunked") or plan.spec.row
+        once = plan.variant in ("fwd_chunked", "fwd_cluster_chunked", "fwd_parts") \
+            or plan.spec.row
         # staged kernels: cp.async, 16-byte vectors (Spec.wide)
         can = _plan.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize == 16
         assert staged == (can and not once and mode == "always"), (mode, plan.grid)
@@ -303,14 +304,14 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     """Forward rows longer than a block split over a cluster (in one chunk, staged where
     resident clusters loop over rows, or in chunks; rows not a multiple of the cluster's chunk,
     strided rows) match the reference, as the path without clusters does; the plan takes it
-    exactly where the device has clusters."""
+    exactly where the device has clusters (rows in parts over the grid turned off)."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
     every_other_row = LAYOUTS["every other row"]
     plans.spy("fwd")
     for on in (True, False):
-        plans.replan(fwd_cluster=on)
+        plans.replan(fwd_cluster=on, fwd_parts_rows=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
         info = _plan.device_info(cp.cuda.Device().id)
@@ -320,6 +321,26 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
                    for p, s in zip(plans, staged, strict=True))
         # more rows than an H200 holds clusters of these (at most 132): staged
         assert any(staged) == (on and info.clusters and M >= 300)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
+    (1, 1 << 20, BF16, BF16, True), (3, 65544, F16, F32, False), (2, 70001, F32, F32, True),
+    (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (2, 40000, F64, F64, True),
+    (66, 20000, F32, F32, True), (4, 4097 * 8, BF16, F32, True)])
+def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
+    """Few forward rows longer than a block, split over the grid in two launches (a part's
+    statistics, then the merge and y; parts not a multiple of the chunk, single elements,
+    float64, strided rows), match the reference, as the path without parts does, and the plan
+    takes two launches exactly where asked."""
+    case = inputs(M, N, dt, wdt, has_b=has_b)
+    plans.spy("fwd")
+    for rows in (0.5, 0):
+        plans.replan(fwd_parts_rows=rows)
+        check_case(op, *case, config=plans.config)
+        check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
+        assert plans and all((p.variant == "fwd_parts") == (rows > 0) for p in plans), \
+            [p.variant for p in plans]
 
 
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 _plan = pytest.importorskip("cupyln._plan", exc_type=ImportError)  # needs CuPy installed
 from cupyln import _layout  # noqa: E402
-from cupyln._config import DEFAULT  # noqa: E402
+from cupyln._config import DEFAULT, Config, FwdConfig  # noqa: E402
 from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes  # noqa: E402
 
 FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
+NO_PARTS = Config(fwd=FwdConfig(parts_rows=0))
 
 WARPS = st.sampled_from([32, 64])
 
@@ -223,8 +224,9 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     registers hold the row, staged (resident clusters looping over rows, two buffers of the
     block's part in shared memory) where there are more rows than resident clusters, else one
     cluster per row; rows longer than the cluster holds only where they are few (at most
-    ``cluster_few_rows`` of the SMs); no other row is."""
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
+    ``cluster_few_rows`` of the SMs); no other row is. (Rows in parts turned off: they take
+    few long rows first, tested below.)"""
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
@@ -244,6 +246,41 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     assert plan.grid == ((1 if staged else min(M, 132 * FWD.grid_per_sm)), s.tiles)
     assert plan.smem == (2 * s.npt * tpr * 16 if staged else 0)
     assert set(built.values()) <= _plan.all_kernel_names(warp)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
+       st.integers(1, 1 << 21), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+@example("bfloat16", 1, 1 << 20, 32, "sm_90")
+@example("bfloat16", 64, 1 << 20, 32, "sm_90")
+@example("bfloat16", 1, 65536, 32, "sm_80")
+@example("float32", 66, 1 << 21, 64, "hip")
+def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
+    """Forward rows longer than one block, at most ``parts_rows`` per SM, at 16-byte vectors or
+    single elements, take two launches over a grid of (parts, M) blocks of whole warps, every
+    part non-empty and the parts covering the row, each row's parts within its share of
+    ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on any device; no other
+    row does."""
+    hip = target == "hip"
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, target == "sm_90", hip=hip)
+    s = plan.spec
+    wide = s.vec * s.dtype.itemsize == 16
+    longer = -(-N // s.vec) > FWD.tpr_max * FWD.npt
+    expect = longer and M <= 132 * FWD.parts_rows and (wide or s.vec == 1)
+    assert (plan.variant == "fwd_parts") == expect
+    if not expect:
+        assert "fwd_parts" not in plan.launch
+        return
+    (parts, rows), (tpr, one) = plan.grid, plan.block
+    chunk = tpr * FWD.npt * s.vec
+    assert rows == M and one == 1 and tpr % warp == 0 and warp <= tpr <= FWD.tpr_max
+    assert (parts - 1) * chunk < N <= parts * chunk
+    # the fewest whole warps that keep each row within its share of parts_per_sm * SMs blocks
+    share, nvec = -(-FWD.parts_per_sm * 132 // M), -(-N // s.vec)
+    assert parts <= share or tpr == FWD.tpr_max
+    assert tpr == warp or -(-nvec // (FWD.npt * (tpr - warp))) > share
+    assert set(plan.launch) == {"fwd_parts", "fwd"}
+    assert plan.launch["fwd"].kern.name == built["fwd_apply"]
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
@@ -328,8 +365,8 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     hdtype = h_dtypes(dtype)[-1 if wide_h else 0]
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
-    plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip)
-    # split over a cluster where the plain rows are, but (unstaged) in blocks of tpr_max threads
+    plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, config=NO_PARTS)
+    # split over a cluster where the plain rows are (when not in parts), but (unstaged) in blocks of tpr_max threads
     # only for few rows
     few = M <= 132 * FWD.cluster_few_rows
     assert plan.spec.tiles == 1 or (plain.spec.tiles > 1 and (plan.block[0] < FWD.tpr_max or few))
