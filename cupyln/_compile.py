@@ -107,9 +107,10 @@ class Spec(NamedTuple):
             kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
             a = f"{kern}<{t}, {w}, {h}{_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}, " \
                 f"{self.tiles}"
-            names = {"fwd_cluster": f"{a}, cln::one_chunk>",
-                     "fwd_cluster_chunked": f"{a}, cln::chunks>"}
-            if self.stages and not h:  # resident clusters, the next row copied ahead
+            names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
+            if h:  # the fused add's rows past a cluster, in chunks (the plain ones: in parts)
+                names["fwd_cluster_chunked"] = f"{a}, cln::chunks>"
+            elif self.stages:  # resident clusters, the next row copied ahead
                 names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
             return names
         if self.hdtype is not None:  # the fused residual add: direct rows, or chunks

@@ -64,16 +64,18 @@ class FwdConfig:
     # (64x32768 bf16: 10.5 against 9.9 us).
     cluster: bool = True
     cluster_tiles: int = 8
-    # Split rows that nothing overlaps (longer than a cluster holds, read twice in chunks; the
-    # fused add's, unstaged, in blocks of tpr_max threads, one per SM) only for few rows, M <=
-    # sms * cluster_few_rows, which unsplit leave SMs idle (64x1048576 bf16: 183 against 228
-    # us, but 128 rows: 332 against 279; fused RMSNorm 512x262144 bf16: 391 against 342).
+    # The fused add's split rows that nothing overlaps (longer than a cluster holds, read twice
+    # in chunks, or unstaged in blocks of tpr_max threads, one per SM) only for few rows, M <=
+    # sms * cluster_few_rows, which unsplit leave SMs idle (64x1048576 bf16: 233 against 256
+    # us; fused RMSNorm 512x262144 bf16: 391 against 342).
     cluster_few_rows: float = 0.5
-    # Rows longer than one block, at most sms * parts_rows of them, split over the grid in two
-    # launches (statistics of each part, then the parts merged and y written, x read again from
-    # L2), `parts_per_sm` blocks per SM in all: every SM streams where a block or a cluster per
-    # row would leave most idle. 0 turns it off.
-    parts_rows: float = 0.5
+    # Rows longer than one block (on sm_90: than one chunk of a cluster), at most sms *
+    # parts_rows of them, split over the grid in two launches (each part's statistics, then the
+    # parts merged and y written, x read again), `parts_per_sm` blocks per SM in all, so that
+    # every SM streams: 1x1048576 bf16 13.5 against 35.4 us (a cluster in chunks), 64x1048576
+    # 151 / 183, 256x262144 f32 228 against 245 (a block per row); 128x1048576 the same; rows a
+    # cluster holds lost (1x65536 bf16 10.9 against 8.9, 512x262144 282 against 225). 0: off.
+    parts_rows: float = 2.0
     parts_per_sm: int = 2
 
     __post_init__ = _check_stage

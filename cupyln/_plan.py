@@ -338,6 +338,8 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     alone = main == "fwd_cluster_chunked" or (hdtype is not None and tpr >= cfg.tpr_max)
     if alone and M > info.sms * cfg.cluster_few_rows:
         return None  # nothing overlaps the exchanges: split only where SMs would idle
+    if main == "fwd_cluster_chunked" and hdtype is None:
+        return None  # plain rows past a cluster: in parts over the grid (or one block each)
     block = (min(tpr, cfg.tpr_max), 1)
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
                 hdtype=hdtype)
@@ -365,13 +367,20 @@ def parts_geometry(cfg: FwdConfig, info, M, N, vec):
     return tpr, cdiv(nvec, cfg.npt * tpr)
 
 
+def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
+    """Whether forward rows of geometry ``g`` split over a cluster in one chunk (x read once)."""
+    return (fwd_cluster_rows(cfg, info, dtype, vec, g)
+            and N // vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt)
+
+
 def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g):
-    """Rows longer than one block, at most ``sms * parts_rows`` of them, each split over
-    blocks of the grid (two launches: the parts' statistics, then y); None elsewhere."""
+    """Rows longer than one block, and than one chunk of a cluster where the device has them,
+    at most ``sms * parts_rows`` of them, each split over blocks of the grid (two launches: the
+    parts' statistics, then y); None elsewhere."""
     cfg = config.fwd
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip)
-    if g.fits or M > info.sms * cfg.parts_rows or M >= 2**16 or "fwd_parts" not in \
-            spec.names("fwd"):
+    if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
+            or M > info.sms * cfg.parts_rows or "fwd_parts" not in spec.names("fwd")):
         return None
     tpr, parts = parts_geometry(cfg, info, M, N, vec)
     kerns = _compile.kernels(spec, "fwd", config.source)

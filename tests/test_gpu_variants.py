@@ -301,10 +301,11 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
     (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False),
     (2, 40000, F64, F64, True), (400, 40000, F32, F32, True)])
 def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
-    """Forward rows longer than a block split over a cluster (in one chunk, staged where
-    resident clusters loop over rows, or in chunks; rows not a multiple of the cluster's chunk,
-    strided rows) match the reference, as the path without clusters does; the plan takes it
-    exactly where the device has clusters (rows in parts over the grid turned off)."""
+    """Forward rows longer than a block split over a cluster (direct, or staged where resident
+    clusters loop over rows; rows not a multiple of the cluster's chunk, strided rows) match the
+    reference, as the path without clusters does; the plan takes it exactly where the device
+    has clusters and one chunk of the cluster holds the row (rows in parts turned off: longer
+    rows then take a block each)."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
@@ -314,8 +315,10 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         plans.replan(fwd_cluster=on, fwd_parts_rows=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
-        info = _plan.device_info(cp.cuda.Device().id)
-        assert all((p.spec.tiles > 1) == (on and info.clusters) for p in plans), plans[0].variant
+        info, cfg = _plan.device_info(cp.cuda.Device().id), plans.config.fwd
+        held = [N // p.spec.vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt for p in plans]
+        assert all((p.spec.tiles > 1) == (on and info.clusters and h)
+                   for p, h in zip(plans, held, strict=True)), plans[0].variant
         staged = [p.variant == "fwd_cluster_staged" for p in plans]
         assert all(p.spec.tiles == 1 or (p.grid[0] < M if s else p.grid[0] == M)
                    for p, s in zip(plans, staged, strict=True))

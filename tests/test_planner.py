@@ -215,24 +215,24 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 21), WARPS, st.booleans())
 @example("bfloat16", 2048, 65536, 32, True)  # longer than a block: staged, resident clusters
-@example("bfloat16", 64, 1 << 20, 32, True)  # longer than a cluster: chunks
+@example("bfloat16", 64, 1 << 20, 32, True)  # longer than a cluster: in parts, or a block
 @example("bfloat16", 1, 65536, 32, True)  # one row: direct
 @example("bfloat16", 131, 32768, 32, True)  # fits a block
 def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters):
-    """Where clusters exist, every forward row of 16-byte vectors longer than one block holds is
-    split over ``cluster_tiles`` blocks of whole warps: in one chunk exactly where the cluster's
-    registers hold the row, staged (resident clusters looping over rows, two buffers of the
-    block's part in shared memory) where there are more rows than resident clusters, else one
-    cluster per row; rows longer than the cluster holds only where they are few (at most
-    ``cluster_few_rows`` of the SMs); no other row is. (Rows in parts turned off: they take
-    few long rows first, tested below.)"""
+    """Where clusters exist, every forward row of 16-byte vectors longer than one block holds
+    and that one chunk of the cluster's registers holds is split over ``cluster_tiles`` blocks
+    of whole warps: staged (resident clusters looping over rows, two buffers of the block's
+    part in shared memory) where there are more rows than resident clusters, else one cluster
+    per row; no other row is (longer ones go in parts over the grid, or a block each), with
+    or without rows in parts."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
     held = N // vec <= FWD.cluster_tiles * FWD.tpr_max * FWD.npt  # by one chunk of a cluster
-    few = M <= 132 * FWD.cluster_few_rows
-    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and (held or few))
+    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and held)
+    default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
+    assert (default.spec.tiles > 1) == (s.tiles > 1)
     if s.tiles == 1:
         return
     tpr = plan.block[0]
@@ -241,8 +241,7 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
     assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
     staged = plan.variant == "fwd_cluster_staged"
-    assert plan.variant == ("fwd_cluster_chunked" if cover < N else
-                            "fwd_cluster_staged" if M > 1 else "fwd_cluster")  # the mock: 1
+    assert plan.variant == ("fwd_cluster_staged" if M > 1 else "fwd_cluster")  # the mock: 1
     assert plan.grid == ((1 if staged else min(M, 132 * FWD.grid_per_sm)), s.tiles)
     assert plan.smem == (2 * s.npt * tpr * 16 if staged else 0)
     assert set(built.values()) <= _plan.all_kernel_names(warp)
@@ -255,8 +254,8 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
 @example("bfloat16", 1, 65536, 32, "sm_80")
 @example("float32", 66, 1 << 21, 64, "hip")
 def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
-    """Forward rows longer than one block, at most ``parts_rows`` per SM, at 16-byte vectors or
-    single elements, take two launches over a grid of (parts, M) blocks of whole warps, every
+    """Forward rows longer than one block (and on sm_90 than one chunk of a cluster), at most
+    ``parts_rows`` per SM, at 16-byte vectors or single elements, take two launches over a grid of (parts, M) blocks of whole warps, every
     part non-empty and the parts covering the row, each row's parts within its share of
     ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on any device; no other
     row does."""
@@ -265,7 +264,10 @@ def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
     s = plan.spec
     wide = s.vec * s.dtype.itemsize == 16
     longer = -(-N // s.vec) > FWD.tpr_max * FWD.npt
-    expect = longer and M <= 132 * FWD.parts_rows and (wide or s.vec == 1)
+    # rows that one chunk of a cluster holds take the cluster where the device has them
+    cluster_holds = target == "sm_90" and wide and \
+        N // s.vec <= FWD.cluster_tiles * FWD.tpr_max * FWD.npt
+    expect = longer and not cluster_holds and M <= 132 * FWD.parts_rows and (wide or s.vec == 1)
     assert (plan.variant == "fwd_parts") == expect
     if not expect:
         assert "fwd_parts" not in plan.launch
@@ -366,12 +368,13 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
     plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, config=NO_PARTS)
-    # split over a cluster where the plain rows are (when not in parts), but (unstaged) in blocks of tpr_max threads
-    # only for few rows
+    # split over a cluster where rows of 16-byte vectors are longer than a block, but (unstaged)
+    # in blocks of tpr_max threads, or in chunks past the cluster, only for few rows
+    v = plan.spec.vec
+    longer = v * dtype.itemsize == 16 and N // v > FWD.tpr_max * FWD.npt
+    tpr = -(-N // v // (FWD.cluster_tiles * FWD.npt) // warp) * warp
     few = M <= 132 * FWD.cluster_few_rows
-    assert plan.spec.tiles == 1 or (plain.spec.tiles > 1 and (plan.block[0] < FWD.tpr_max or few))
-    assert plain.spec.tiles == 1 or plan.spec.tiles > 1 or (plain.block[0] == FWD.tpr_max
-                                                            and not few)
+    assert (plan.spec.tiles > 1) == (not hip and longer and (tpr < FWD.tpr_max or few))
     if plan.spec.tiles > 1:
         assert set(built) == {"fwd_cluster", "fwd_cluster_chunked"}
         assert all(n.startswith("norm_fwd_add_cluster<") for n in built.values())
