@@ -52,10 +52,12 @@ bad = 0
 for op, M, N, dt, wdt in CASES:
     for det, atomic, stage, csum, fused in VARIANTS:
         # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
-        # cluster (direct rows), or the last block summing; few long forward rows in parts over
-        # the grid, or (without csum) split over a cluster or read in chunks
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=0.5 if csum else 0),
-                        bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum))
+        # cluster (direct rows), or the last block summing; few long rows in parts over the grid
+        # (forward; backward row sums), or without csum not
+        parts = 2.0 if csum else 0
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts),
+                        bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
+                                      parts_rows=parts))
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
                             fused=fused)
         cp.cuda.Device().synchronize()

@@ -88,6 +88,9 @@ class Spec(NamedTuple):
             clusters = self.tiles > 1 and not self.hip
             if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
                 names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
+            if self.wide or self.vec == 1:  # few long rows in parts over the grid
+                names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
+                names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
             if clusters and self.residual and self.wide:
                 names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, cln::direct, {self.tiles}>"
                 if self.stages:

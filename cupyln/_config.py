@@ -117,6 +117,11 @@ class BwdConfig:
     tile_tpr: int = 256
     tile_npt: int = 2
     rowsums_tpr: int = 1024
+    # ... and for at most sms * parts_rows such rows, the row sums in parts over the grid
+    # (`parts_per_sm` blocks per SM in all, one more launch adds the parts), so that every SM
+    # streams, as the forward's rows in parts.
+    parts_rows: float = 2.0
+    parts_per_sm: int = 2
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

@@ -109,7 +109,7 @@ class HotFwd:
 class HotBwd:
     __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
                  "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
-                 "partial", "scratch_only", "ldres")
+                 "partial", "parts", "scratch_only", "ldres")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
                  ldx, lddy, M, N, ldres=None):
@@ -135,14 +135,18 @@ class HotBwd:
         self.main = plan.launch["bwd_dyn" if dynamic else "bwd"]
         self.counted = self.flushed or dynamic
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
+        merge = plan.launch.get("rowsums_merge")
+        G = plan.launch["rowsums"].grid[1] if merge else 0  # parts per row
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
                    "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
+                   "parts": M * G * 2 * acc.itemsize,
                    "own": self.acc_bytes if self.counted else 0}
         self.layout = Layout(new, [n for n in scratch.values() if n])
         offs = iter(self.layout.scratch)
-        self.partial, self.rowsums, own = (next(offs) if n else None for n in scratch.values())
+        self.partial, self.rowsums, self.parts, own = (next(offs) if n else None
+                                                       for n in scratch.values())
         self.scratch_only = not new and self.layout.nbytes > 0
-        self.consts = (ldx, lddy, M, N, P, own)
+        self.consts = (ldx, lddy, M, N, P, own, G)
         self.ldres = ldres  # the fused add's dresidual: its row stride (None: no dresidual)
         self.ext = Extents()
         v = plan.spec.vec
@@ -166,7 +170,7 @@ class HotBwd:
         if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd, dres),
                                            (dyp, xp, gp, mp, rp, drp, *map(ptr, given))):
             return None
-        ldx, lddy, M, N, P, own = self.consts
+        ldx, lddy, M, N, P, own, G = self.consts
         base = 0 if mem is None else mem.ptr
         rsp = 0 if self.rowsums is None else base + self.rowsums
         launch = self.launch
@@ -174,7 +178,11 @@ class HotBwd:
         if self.scratch_only and _is_capturing(stream):
             # a replay writes to this scratch, and no output keeps it: it must outlive the call
             _CAPTURED.append(mem)
-        if rsp:
+        if G:  # the row sums in parts, then added
+            partsp = base + self.parts
+            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, partsp, M, N)
+            launch["rowsums_merge"](stream, partsp, G, rsp, M)
+        elif rsp:
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
         pp = 0 if self.partial is None else base + self.partial
         cnt = ap = tk = 0

@@ -246,6 +246,7 @@ _FWD_ARGS = "pipppppiiX"
 _FWD_ADD_ARGS = _FWD_ARGS + "pip"  # then the residual, its row stride, h
 _BWD_ARGS = "pipipppppppppppiipi"  # ..., M, N, then dresidual and its row stride
 _ROWSUMS_ARGS = "pipippppii"
+_MERGE_ARGS = "pipi"  # the parts, their count per row, the row sums, M
 _REDUCE_ARGS = "piipp"
 
 
@@ -358,13 +359,14 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def parts_geometry(cfg: FwdConfig, info, M, N, vec):
-    """(threads per block, parts per row) of rows split over the grid: about ``parts_per_sm``
-    blocks per SM over all rows, whole warps of ``npt`` vectors each, at most ``tpr_max``."""
+def parts_geometry(per_sm, npt, tpr_max, info, M, N, vec):
+    """(threads per block, parts per row) of rows split over the grid: about ``per_sm`` blocks
+    per SM over all rows, the fewest whole warps (at most ``tpr_max`` threads) of ``npt``
+    vectors each that keep a row within its share."""
     nvec = cdiv(N, vec)
-    per_row = cdiv(cfg.parts_per_sm * info.sms, M)
-    tpr = min(max(round_up(cdiv(nvec, cfg.npt * per_row), info.warp), info.warp), cfg.tpr_max)
-    return tpr, cdiv(nvec, cfg.npt * tpr)
+    share = cdiv(per_sm * info.sms, M)
+    tpr = min(max(round_up(cdiv(nvec, npt * share), info.warp), info.warp), tpr_max)
+    return tpr, cdiv(nvec, npt * tpr)
 
 
 def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
@@ -382,7 +384,7 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g):
     if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
             or M > info.sms * cfg.parts_rows or "fwd_parts" not in spec.names("fwd")):
         return None
-    tpr, parts = parts_geometry(cfg, info, M, N, vec)
+    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     kerns = _compile.kernels(spec, "fwd", config.source)
     grid, block, kinds = (parts, M), (tpr, 1), _kinds(_FWD_ARGS + "p", dtype)
     launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
@@ -423,17 +425,27 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
 
 
-def _rowsums_launcher(info, cfg: BwdConfig, kerns, M):
-    """The row sums before column tiles: one row per block, or, for rows too few to give every
-    SM a block (M * cluster_tiles <= SMs), per cluster of ``cluster_tiles`` blocks where the
-    module has that kernel and the driver can place one."""
+def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
+    """The row sums before column tiles: for at most ``sms * parts_rows`` rows, in parts over
+    the grid (about ``parts_per_sm`` blocks per SM; "rowsums" writes each part's sums,
+    "rowsums_merge" adds them); else, for rows too few to give every SM a block (M *
+    cluster_tiles <= SMs), per cluster of ``cluster_tiles`` blocks where the module has that
+    kernel and the driver can place one; else one row per block."""
+    if "rowsums_parts" in kerns and M <= info.sms * cfg.parts_rows and M < 2**31:
+        tpr, parts = parts_geometry(cfg.parts_per_sm, spec.npt, cfg.rowsums_tpr, info, M, N,
+                                    spec.vec)
+        rows = cfg.rowsums_tpr // info.warp  # one warp per row
+        return {"rowsums": Launcher(kerns["rowsums_parts"], (M, parts), (tpr, 1), 0,
+                                    _ROWSUMS_ARGS),
+                "rowsums_merge": Launcher(kerns["rowsums_merge"], (cdiv(M, rows),),
+                                          (info.warp, rows), 0, _MERGE_ARGS)}
     rows = min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4)
     block = (cfg.rowsums_tpr, 1)
     kern = kerns.get("rowsums_cluster")
     if (kern is not None and M * cfg.cluster_tiles <= info.sms
             and _driver.max_active_clusters(kern, (1, cfg.cluster_tiles), block, 0)):
-        return Launcher(kern, (M, cfg.cluster_tiles), block, 0, _ROWSUMS_ARGS)
-    return Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)
+        return {"rowsums": Launcher(kern, (M, cfg.cluster_tiles), block, 0, _ROWSUMS_ARGS)}
+    return {"rowsums": Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)}
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -484,7 +496,7 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     if dyn:
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
     if not g.fits and not cluster:
-        launch["rowsums"] = _rowsums_launcher(info, cfg, kerns, M)
+        launch.update(_rowsums_launchers(info, cfg, kerns, M, N, spec))
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:

@@ -413,18 +413,22 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 // hold: one row per block (blockDim.y == 1), the row read in chunks of blockDim.x * NPT * VEC;
 // CL > 1 (sm_90): one row per cluster of CL blocks (gridDim.y == CL), block r reading chunks r,
 // r + CL, ..., their sums added through the cluster, so that few rows still keep CL SMs each
-// streaming.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1>
+// streaming. PARTS (few rows, any device): block (row, p) reads chunks p, p + gridDim.y, ... and
+// writes its sums to rowsums[row][p] (gridDim.y parts per row), which norm_bwd_rowsums_merge adds.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1,
+          bool PARTS = false>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
                  const W* __restrict__ gamma, const float* __restrict__ mean,
                  const float* __restrict__ rstd, typename Acc<T>::type* __restrict__ rowsums,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
+  static_assert(CL == 1 || !PARTS, "a row over a cluster or in parts");
   constexpr int SLOTS = cluster_slots<CL, WARP, 1024>();
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, SLOTS, 2, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
-  const cl_i64 first = CL > 1 ? blockIdx.y * chunk : 0;
+  const int split = CL > 1 ? CL : PARTS ? (int)gridDim.y : 1;  // blocks sharing a row
+  const cl_i64 first = split > 1 ? blockIdx.y * chunk : 0;
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const T* xr = x + row * ldx;
@@ -432,7 +436,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     const C mu = LN ? (C)mean[row] : C(0);
     const C rs = (C)rstd[row];
     C s[2] = {C(0), C(0)};
-    for (cl_i64 c0 = first; c0 < N; c0 += CL * chunk) {
+    for (cl_i64 c0 = first; c0 < N; c0 += split * chunk) {
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
         const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
@@ -456,12 +460,34 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     }
     if constexpr (CL > 1) cluster_allreduce<CL, SLOTS, WARP>(s, phase);
     else row_allreduce<WARP>(s, phase);
+    const cl_i64 at = PARTS ? row * gridDim.y + blockIdx.y : row;
     if (threadIdx.x == 0 && (CL == 1 || blockIdx.y == 0)) {
-      rowsums[2 * row] = s[0];
-      rowsums[2 * row + 1] = s[1];
+      rowsums[2 * at] = s[0];
+      rowsums[2 * at + 1] = s[1];
     }
   }
   if constexpr (CL > 1) cluster_sync();  // no block leaves while its sums are on their way
+}
+
+// The row sums of rows in parts: rowsums[row] = the sum of parts[row][0..G) in a fixed order
+// (each lane its parts, then a butterfly), one warp per row (blockDim = (WARP, rows per block)).
+template <typename C, int WARP>
+__global__ void __launch_bounds__(1024)
+norm_bwd_rowsums_merge(const C* __restrict__ parts, cl_i64 G, C* __restrict__ rowsums,
+                       cl_i64 M) {
+  const cl_i64 row = (cl_i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (blockDim.x != WARP) cl_trap();
+  if (row >= M) return;  // whole warps leave: the butterfly below stays within a warp
+  C s[2] = {C(0), C(0)};
+  for (cl_i64 i = threadIdx.x; i < G; i += WARP) {
+    s[0] += parts[2 * (row * G + i)];
+    s[1] += parts[2 * (row * G + i) + 1];
+  }
+  warp_allreduce<WARP>(s);
+  if (threadIdx.x == 0) {
+    rowsums[2 * row] = s[0];
+    rowsums[2 * row + 1] = s[1];
+  }
 }
 
 // Deterministic dgamma/dbeta: sum the [P, 2N] partials over P in a fixed order and cast.

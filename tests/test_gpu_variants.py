@@ -346,6 +346,25 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
             [p.variant for p in plans]
 
 
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [
+    (1, 1 << 20, BF16, BF16), (3, 70001, F32, F32), (5, 300008, F32, F32),
+    (64, 140000, F16, F32), (2, 40000, F64, F64)])
+def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
+    """The long-row backward's row sums in parts over the grid, added by a second kernel, then
+    the column tiles (deterministic or not; single elements, float64, several warps per part)
+    match the reference, as the path without parts does, and the plan takes the parts exactly
+    where asked."""
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    for rows in (2.0, 0):
+        plans.replan(bwd_parts_rows=rows)
+        for det in (True, False):
+            check_case(op, *case, deterministic=det, config=plans.config)
+        long = [p for p in plans if "rowsums" in p.launch]
+        assert long and all(("rowsums_merge" in p.launch) == (rows > 0) for p in long)
+
+
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])
 def test_staged_clusters_with_need_flags(plans, need):
     """The staged cluster backward (blocks looping over rows, sm_90) with dx or a parameter's

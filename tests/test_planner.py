@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 _plan = pytest.importorskip("cupyln._plan", exc_type=ImportError)  # needs CuPy installed
 from cupyln import _layout  # noqa: E402
-from cupyln._config import DEFAULT, Config, FwdConfig  # noqa: E402
+from cupyln._config import DEFAULT, BwdConfig, Config, FwdConfig  # noqa: E402
 from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes  # noqa: E402
 
 FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
-NO_PARTS = Config(fwd=FwdConfig(parts_rows=0))
+NO_PARTS = Config(fwd=FwdConfig(parts_rows=0), bwd=BwdConfig(parts_rows=0))
 
 WARPS = st.sampled_from([32, 64])
 
@@ -286,15 +286,47 @@ def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
+       st.integers(1, 1 << 21), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+@example("bfloat16", 1, 1 << 20, 32, "sm_90")
+@example("bfloat16", 264, 1 << 20, 32, "sm_80")
+@example("float32", 3, 70001, 64, "hip")
+def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
+    """Rows too long for the backward's registers, at most ``parts_rows`` per SM, at 16-byte
+    vectors or single elements, get their row sums in parts over the grid (blocks of whole warps
+    of at most ``rowsums_tpr`` threads, the parts covering the row, each row within its share
+    of ``parts_per_sm`` blocks per SM), added by one warp per row; on any device."""
+    hip = target == "hip"
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip)
+    if "rowsums" not in plan.launch:
+        return
+    rs, s = plan.launch["rowsums"], plan.spec
+    expect = M <= 132 * BWD.parts_rows and (s.vec * s.dtype.itemsize == 16 or s.vec == 1)
+    assert ("rowsums_merge" in plan.launch) == expect == (rs.kern.name == built.get(
+        "rowsums_parts"))
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    if not expect:
+        return
+    (rows, parts), (tpr, one) = rs.grid, rs.block
+    chunk = tpr * s.npt * s.vec
+    assert rows == M and one == 1 and tpr % warp == 0 and warp <= tpr <= BWD.rowsums_tpr
+    assert (parts - 1) * chunk < N <= parts * chunk
+    share, nvec = -(-BWD.parts_per_sm * 132 // M), -(-N // s.vec)
+    assert parts <= share or tpr == BWD.rowsums_tpr
+    assert tpr == warp or -(-nvec // (s.npt * (tpr - warp))) > share
+    merge = plan.launch["rowsums_merge"]
+    assert merge.block[0] == warp and merge.grid[0] * merge.block[1] >= M
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
        st.integers(1, 1 << 21), WARPS, st.booleans())
 @example("bfloat16", 1, 1 << 20, 32, True)
 @example("bfloat16", 64, 1 << 20, 32, True)
 def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clusters):
-    """Rows too long for the backward's cluster of tiles get their row sums first: over a
-    cluster of ``cluster_tiles`` blocks per row where clusters exist, the module builds that
-    kernel (16-byte vectors, single elements) and the rows are too few to give every SM a block
-    (M * cluster_tiles <= SMs), else one block per row."""
-    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
+    """Rows too long for the backward's cluster of tiles get their row sums first (where not in
+    parts): over a cluster of ``cluster_tiles`` blocks per row where clusters exist, the module
+    builds that kernel (16-byte vectors, single elements) and the rows are too few to give
+    every SM a block (M * cluster_tiles <= SMs), else one block per row."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters, config=NO_PARTS)
     if "rowsums" not in plan.launch:
         return
     rs, s = plan.launch["rowsums"], plan.spec
