@@ -46,7 +46,25 @@ class _on_device:
             cp.cuda.runtime.setDevice(self.prev)
 
 
-class HotFwd:
+class _Prepared:
+    """What HotFwd and HotBwd share: the launch on raw addresses (for cupyln.torch)."""
+
+    __slots__ = ()
+
+    @property
+    def scratch_bytes(self):
+        """Memory :meth:`launch_at` needs for the kernels alone (outputs all given)."""
+        return self.layout.nbytes
+
+    def launch_at(self, stream, ptrs, scratch):
+        """The pass on raw addresses ``ptrs`` (in ``_launch``'s order), for callers that
+        allocated every output (none overlapping an input) and ``scratch_bytes`` at
+        ``scratch``, with this pass's device current. False (nothing launched) where this pass
+        allocates outputs or the addresses do not suit its vectors."""
+        return not self.layout.parts and self._launch(stream, ptrs, scratch)
+
+
+class HotFwd(_Prepared):
     __slots__ = ("dev", "launch", "parts", "layout", "given", "consts", "xmask", "wmask", "hmask",
                  "is_ln", "ext", "add", "ldr")
 
@@ -74,39 +92,39 @@ class HotFwd:
     def __call__(self, x, gamma, beta, out, residual=None):
         if _get_device() != self.dev:
             return None
-        xp = x.data.ptr
-        gp = 0 if gamma is None else gamma.data.ptr
-        bp = 0 if beta is None else beta.data.ptr
         outs, mem = self.layout.make()
         if self.given:
             outs = fill(out, outs)
-        y, rstd = outs[0], outs[2 if self.is_ln else 1]
-        mean = outs[1] if self.is_ln else None
-        yp, mp, rp = y.data.ptr, 0 if mean is None else mean.data.ptr, rstd.data.ptr
-        if (xp | yp) & self.xmask or (gp | bp) & self.wmask:
+        ins = (x, gamma, beta, residual)
+        y, *stats = outs[: 3 if self.is_ln else 2]
+        mean, rstd = stats if self.is_ln else (None, stats[0])
+        ptrs = (*map(ptr, ins), ptr(y), ptr(mean), ptr(rstd), ptr(outs[-1]) if self.add else 0)
+        if self.given and self.ext.overlap(out, ins[:3 + self.add], (
+                *ptrs[:3 + self.add], *map(ptr, out))):
             return None
-        ins, ptrs = (x, gamma, beta), (xp, gp, bp)
-        add = ()
-        if self.add:
-            h, resp = outs[-1], residual.data.ptr
-            if (resp | h.data.ptr) & self.hmask:
-                return None
-            ins, ptrs = ins + (residual,), ptrs + (resp,)
-            add = (resp, self.ldr, h.data.ptr)
-        if self.given and self.ext.overlap(out, ins, (*ptrs, *map(ptr, out))):
-            return None
-        ldx, M, N, eps = self.consts
         stream = _current_stream().ptr
-        if self.parts:
-            if not self.layout.parts and _is_capturing(stream):
-                _CAPTURED.append(mem)  # scratch alone, written by every replay: kept
-            add = (mem.ptr + self.layout.scratch[0],)
-            self.parts(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
-        self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
+        if not self._launch(stream, ptrs, 0 if mem is None else mem.ptr):
+            return None
+        if self.parts and not self.layout.parts and _is_capturing(stream):
+            _CAPTURED.append(mem)  # scratch alone, written by every replay: kept
         return tuple(outs)
 
+    def _launch(self, stream, ptrs, base):
+        """``ptrs``: x, gamma, beta, residual, then y, mean, rstd, h (0 for None: RMSNorm's
+        mean, the add's absent)."""
+        xp, gp, bp, resp, yp, mp, rp, hp = ptrs
+        if (xp | yp) & self.xmask or (gp | bp) & self.wmask or (resp | hp) & self.hmask:
+            return False
+        ldx, M, N, eps = self.consts
+        add = (resp, self.ldr, hp) if self.add else ()
+        if self.parts:  # the parts' statistics, in the scratch after the outputs
+            add = (base + self.layout.scratch[0],)
+            self.parts(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
+        self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
+        return True
 
-class HotBwd:
+
+class HotBwd(_Prepared):
     __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
                  "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
                  "partial", "parts", "scratch_only", "ldres")
@@ -162,22 +180,27 @@ class HotBwd:
         dx = (next(it) if given[0] is None else given[0]) if want[0] else None
         dgamma = (next(it) if given[1] is None else given[1]) if want[1] else None
         dbeta = (next(it) if given[2] is None else given[2]) if want[2] else None
-        dyp, xp, gp = dy.data.ptr, x.data.ptr, 0 if gamma is None else gamma.data.ptr
-        dxp, dgp, dbp, drp = ptr(dx), ptr(dgamma), ptr(dbeta), ptr(dres)
-        if (dyp | xp | dxp | drp) & self.xmask or gp & self.wmask:
+        ins = (dy, x, gamma, mean, rstd, dres)
+        ptrs = (*map(ptr, ins), ptr(dx), ptr(dgamma), ptr(dbeta))
+        if self.given and self.ext.overlap(given, ins, (*ptrs[:6], *map(ptr, given))):
             return None
-        mp, rp = 0 if mean is None else mean.data.ptr, rstd.data.ptr
-        if self.given and self.ext.overlap(given, (dy, x, gamma, mean, rstd, dres),
-                                           (dyp, xp, gp, mp, rp, drp, *map(ptr, given))):
-            return None
-        ldx, lddy, M, N, P, own, G = self.consts
-        base = 0 if mem is None else mem.ptr
-        rsp = 0 if self.rowsums is None else base + self.rowsums
-        launch = self.launch
         stream = _current_stream().ptr
+        if not self._launch(stream, ptrs, 0 if mem is None else mem.ptr):
+            return None
         if self.scratch_only and _is_capturing(stream):
             # a replay writes to this scratch, and no output keeps it: it must outlive the call
             _CAPTURED.append(mem)
+        return dx, dgamma, dbeta
+
+    def _launch(self, stream, ptrs, base):
+        """``ptrs``: dy, x, gamma, mean, rstd, dresidual, then dx, dgamma, dbeta (0 for
+        None)."""
+        dyp, xp, gp, mp, rp, drp, dxp, dgp, dbp = ptrs
+        if (dyp | xp | dxp | drp) & self.xmask or gp & self.wmask:
+            return False
+        ldx, lddy, M, N, P, own, G = self.consts
+        rsp = 0 if self.rowsums is None else base + self.rowsums
+        launch = self.launch
         if G:  # the row sums in parts, then added
             partsp = base + self.parts
             launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, partsp, M, N)
@@ -198,7 +221,7 @@ class HotBwd:
                   N, drp, self.ldres or 0)
         if pp and "reduce" in launch:
             launch["reduce"](stream, pp, P, N, dgp, dbp)
-        return dx, dgamma, dbeta
+        return True
 
 
 _NONE3 = (None, None, None)

@@ -327,14 +327,18 @@ def _key(head, arrays, out):
         return None
 
 
-def _remember(key):
+def _remember(key, prepared=None):
+    """The callback that remembers a call's prepared pass under ``key`` (None: a call that is
+    not a candidate) and hands it to ``prepared`` (cupyln.torch's table of its own calls)."""
     if key is None:
-        return None
+        return prepared
 
     def put(hot):
         if len(_HOT) >= _HOT_MAX:
             _HOT.clear()
         _HOT[key] = hot
+        if prepared is not None:
+            prepared(hot)
 
     return put
 
@@ -343,7 +347,7 @@ def _remember(key):
 
 
 def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=None,
-         residual_dtype=None, weight_offset=0.0):
+         residual_dtype=None, weight_offset=0.0, prepared=None):
     key = None
     if type(x) is _CUPY_ARRAY and type(eps) is float and type(weight_offset) is float and (
             normalized_shape is None or type(normalized_shape) is tuple) and (
@@ -356,6 +360,8 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=Non
         if hot is not None:
             res = hot(x, gamma, beta, out, residual)
             if res is not None:
+                if prepared is not None:
+                    prepared(hot)
                 return res
     if x is None:
         raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
@@ -388,8 +394,8 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=Non
     if kind == "cupy":
         from . import _passes
 
-        return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key), config,
-                               residual, h_dtype, woff)
+        return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key, prepared),
+                               config, residual, h_dtype, woff)
     return _numpy_path.forward(x, gamma, beta, eps, k, is_ln, out, residual, h_dtype, woff)
 
 
@@ -508,7 +514,7 @@ def rms_norm_fwd(
 
 
 def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, deterministic, out,
-         config, dresidual=None, weight_offset=0.0):
+         config, dresidual=None, weight_offset=0.0, prepared=None):
     key = None
     flags = (need_dx, need_dgamma, need_dbeta, deterministic)
     if config is not None or type(weight_offset) is not float or weight_offset != 0.0:
@@ -521,6 +527,8 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
         if hot is not None:
             res = hot(dy, x, gamma, mean, rstd, out, dresidual)
             if res is not None:
+                if prepared is not None:
+                    prepared(hot)
                 return res
     stats = [("rstd", rstd)] if mean is None else [("mean", mean), ("rstd", rstd)]
     kind, k = _check_bwd(dy, x, gamma, stats, dresidual)
@@ -546,7 +554,7 @@ def _bwd(dy, x, gamma, mean, rstd, need_dx, need_dgamma, need_dbeta, determinist
 
         return _passes.backward(
             dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, deterministic, out,
-            _remember(key), config, dresidual, woff,
+            _remember(key, prepared), config, dresidual, woff,
         )
     return _numpy_path.backward(dy, x, gamma, mean, rstd, k,
                                 (need_dx, need_dgamma, need_dbeta), out, dresidual, woff)
