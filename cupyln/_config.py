@@ -119,8 +119,9 @@ class BwdConfig:
     rowsums_tpr: int = 1024
     # ... and for at most sms * parts_rows such rows, the row sums in parts over the grid
     # (`parts_per_sm` blocks per SM in all, one more launch adds the parts), so that every SM
-    # streams, as the forward's rows in parts.
-    parts_rows: float = 2.0
+    # streams: 1x1048576 bf16 64 against 73 us, 64x1048576 265 / 281, 2x300000 f32 31 / 35; at
+    # 128 rows and more the extra launch and pass lost (128x1048576 457 / 416).
+    parts_rows: float = 0.5
     parts_per_sm: int = 2
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).

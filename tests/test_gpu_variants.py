@@ -328,28 +328,35 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
-    (1, 1 << 20, BF16, BF16, True), (3, 65544, F16, F32, False), (2, 70001, F32, F32, True),
-    (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (2, 40000, F64, F64, True),
-    (66, 20000, F32, F32, True), (4, 4097 * 8, BF16, F32, True)])
+    (1, 1 << 20, BF16, BF16, True), (3, 262152, F16, F32, False), (2, 70001, F32, F32, True),
+    (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (2, 140000, F64, F64, True),
+    (264, 140000, F32, F32, True), (4, 4097 * 8, BF16, F32, True)])
 def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
     """Few forward rows longer than a block, split over the grid in two launches (a part's
     statistics, then the merge and y; parts not a multiple of the chunk, single elements,
     float64, strided rows), match the reference, as the path without parts does, and the plan
-    takes two launches exactly where asked."""
+    takes two launches exactly where asked and a cluster does not hold the row (sm_90)."""
+    from cupyln import _plan
+
     case = inputs(M, N, dt, wdt, has_b=has_b)
     plans.spy("fwd")
-    for rows in (0.5, 0):
+    info = _plan.device_info(cp.cuda.Device().id)
+    for rows in (2.0, 0):
         plans.replan(fwd_parts_rows=rows)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
-        assert plans and all((p.variant == "fwd_parts") == (rows > 0) for p in plans), \
+        cfg = plans.config.fwd
+        held = [info.clusters and p.spec.vec * dt.itemsize == 16
+                and N // p.spec.vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt for p in plans]
+        assert plans and all((p.variant == "fwd_parts") == (rows > 0 and not h)
+                             for p, h in zip(plans, held, strict=True)), \
             [p.variant for p in plans]
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [
     (1, 1 << 20, BF16, BF16), (3, 70001, F32, F32), (5, 300008, F32, F32),
-    (64, 140000, F16, F32), (2, 40000, F64, F64)])
+    (66, 140000, F16, F32), (2, 40000, F64, F64)])
 def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
     """The long-row backward's row sums in parts over the grid, added by a second kernel, then
     the column tiles (deterministic or not; single elements, float64, several warps per part)
@@ -357,7 +364,7 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
     where asked."""
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
-    for rows in (2.0, 0):
+    for rows in (0.5, 0):
         plans.replan(bwd_parts_rows=rows)
         for det in (True, False):
             check_case(op, *case, deterministic=det, config=plans.config)
