@@ -120,9 +120,11 @@ class BwdConfig:
     # ... and for at most sms * parts_rows such rows, the row sums in parts over the grid
     # (`parts_per_sm` blocks per SM in all, one more launch adds the parts), so that every SM
     # streams: 1x1048576 bf16 64 against 73 us, 64x1048576 265 / 281, 2x300000 f32 31 / 35; at
-    # 128 rows and more the extra launch and pass lost (128x1048576 457 / 416).
+    # 128 rows and more the extra launch and pass lost (128x1048576 457 / 416); so did rows of
+    # fewer than `parts_chunks` chunks of the one-block row sums (fused 8x3583 f16: 14.3 / 13.3).
     parts_rows: float = 0.5
     parts_per_sm: int = 2
+    parts_chunks: int = 8
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

@@ -426,12 +426,14 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
 
 
 def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
-    """The row sums before column tiles: for at most ``sms * parts_rows`` rows, in parts over
-    the grid (about ``parts_per_sm`` blocks per SM; "rowsums" writes each part's sums,
-    "rowsums_merge" adds them); else, for rows too few to give every SM a block (M *
-    cluster_tiles <= SMs), per cluster of ``cluster_tiles`` blocks where the module has that
-    kernel and the driver can place one; else one row per block."""
-    if "rowsums_parts" in kerns and M <= info.sms * cfg.parts_rows and M < 2**31:
+    """The row sums before column tiles: for at most ``sms * parts_rows`` rows of at least
+    ``parts_chunks`` chunks of one block, in parts over the grid (about ``parts_per_sm``
+    blocks per SM; "rowsums" writes each part's sums, "rowsums_merge" adds them); else, for
+    rows too few to give every SM a block (M * cluster_tiles <= SMs), per cluster of
+    ``cluster_tiles`` blocks where the module has that kernel and the driver can place one;
+    else one row per block."""
+    long = N >= cfg.parts_chunks * cfg.rowsums_tpr * spec.npt * spec.vec
+    if "rowsums_parts" in kerns and long and M <= info.sms * cfg.parts_rows and M < 2**31:
         tpr, parts = parts_geometry(cfg.parts_per_sm, spec.npt, cfg.rowsums_tpr, info, M, N,
                                     spec.vec)
         rows = cfg.rowsums_tpr // info.warp  # one warp per row

@@ -290,9 +290,11 @@ def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
 @example("bfloat16", 1, 1 << 20, 32, "sm_90")
 @example("bfloat16", 264, 1 << 20, 32, "sm_80")
 @example("float32", 3, 70001, 64, "hip")
+@example("float16", 8, 3583, 32, "sm_90")  # two chunks: one block per row
 def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
-    """Rows too long for the backward's registers, at most ``parts_rows`` per SM, at 16-byte
-    vectors or single elements, get their row sums in parts over the grid (blocks of whole warps
+    """Rows too long for the backward's registers, at most ``parts_rows`` per SM, of at least
+    ``parts_chunks`` chunks of one block, at 16-byte vectors or single elements, get their row
+    sums in parts over the grid (blocks of whole warps
     of at most ``rowsums_tpr`` threads, the parts covering the row, each row within its share
     of ``parts_per_sm`` blocks per SM), added by one warp per row; on any device."""
     hip = target == "hip"
@@ -300,7 +302,9 @@ def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     if "rowsums" not in plan.launch:
         return
     rs, s = plan.launch["rowsums"], plan.spec
-    expect = M <= 132 * BWD.parts_rows and (s.vec * s.dtype.itemsize == 16 or s.vec == 1)
+    long = N >= BWD.parts_chunks * BWD.rowsums_tpr * s.npt * s.vec
+    expect = long and M <= 132 * BWD.parts_rows and (s.vec * s.dtype.itemsize == 16
+                                                     or s.vec == 1)
     assert ("rowsums_merge" in plan.launch) == expect == (rs.kern.name == built.get(
         "rowsums_parts"))
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
