@@ -4,6 +4,7 @@
     CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tune.py   # also other kernel sources
     CUPYLN_TUNE_PASSES=fwd python benchmarks/tune.py                   # forward only
     CUPYLN_TUNE_SHAPES=layernorm:4096:1024:float16 python benchmarks/tune.py  # other shapes
+    CUPYLN_TUNE_SHAPES=rmsnorm_add:64:1048576:bfloat16 python benchmarks/tune.py  # fused add
     CUPYLN_TUNE_BWD='[{"cluster_npt": 1}, {"source": "old"}]' python benchmarks/tune.py
 
 A configuration is a dict of FwdConfig (forward) or BwdConfig (backward) fields, and "source":
@@ -20,7 +21,15 @@ import cupy as cp
 
 import cupyln
 from cupyln import _compile, _plan
-from cupyln.bench import cases, copy_bandwidth, device_us, dtype_of, env_shapes, make_inputs
+from cupyln.bench import (
+    add_cases,
+    cases,
+    copy_bandwidth,
+    device_us,
+    dtype_of,
+    env_shapes,
+    make_inputs,
+)
 
 SHAPES = [("layernorm", 4096, 1024, "float16"), ("layernorm", 131072, 4096, "bfloat16"),
           ("layernorm", 4096, 1024, "float32"), ("rmsnorm", 131072, 64, "float16"),
@@ -79,10 +88,15 @@ def time_shape(op, M, N, dt, copy, times):
             continue
         for fields in configs:
             config = config_of(pass_, fields)
-            fn = cases(op, x, dy, g, b, None, None, config=config)["cupyln", pass_]
+            made = add_cases if op.endswith("_add") else cases
+            fn = made(op, x, dy, g, b, None, None, config=config)["cupyln", pass_]
             us = device_us(fn, n_repeat=30)
             label = json.dumps(fields, sort_keys=True)
             times.setdefault((op, M, N, dt, pass_), {}).setdefault(label, []).append(us)
+            if op.endswith("_add"):  # the fused add (h in x's dtype): its times alone
+                print(f"{op:<13} {M:>6}x{N:<5} {dt:<8} {pass_} {label}: {us:8.2f} us",
+                      flush=True)
+                continue
             planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
             plan = planner(x.device.id, config, dtype, dtype, op == "layernorm", M, N,
                            16 // dtype.itemsize)

@@ -116,10 +116,12 @@ class Spec(NamedTuple):
             elif self.stages:  # resident clusters, the next row copied ahead
                 names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
             return names
-        if self.hdtype is not None:  # the fused residual add: direct rows, or chunks
+        if self.hdtype is not None:  # the fused residual add: direct rows, chunks, parts
             a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"
             return {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
-                    "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
+                    "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>",
+                    "fwd_parts": f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>",
+                    "fwd_apply": f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"}
         if self.row:  # the row kernel: one chunk, threads fixed
             row = f"norm_fwd_row<{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}, {self.tpr}"
             npt = f", {self.npt}" if self.npt > 1 else ""

@@ -118,7 +118,7 @@ class HotFwd(_Prepared):
         ldx, M, N, eps = self.consts
         add = (resp, self.ldr, hp) if self.add else ()
         if self.parts:  # the parts' statistics, in the scratch after the outputs
-            add = (base + self.layout.scratch[0],)
+            add += (base + self.layout.scratch[0],)
             self.parts(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
         self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
         return True

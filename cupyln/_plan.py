@@ -284,10 +284,9 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     info, cfg = device_info(dev_id), config.fwd
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
-    if hdtype is None:
-        parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g)
-        if parts is not None:
-            return parts
+    parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype)
+    if parts is not None:
+        return parts
     cluster = _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     if cluster is not None:
         return cluster
@@ -375,18 +374,19 @@ def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
             and N // vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt)
 
 
-def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g):
+def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=None):
     """Rows longer than one block, and than one chunk of a cluster where the device has them,
     at most ``sms * parts_rows`` of them, each split over blocks of the grid (two launches: the
-    parts' statistics, then y); None elsewhere."""
+    parts' statistics, with the fused add's h, then y); None elsewhere."""
     cfg = config.fwd
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip, hdtype=hdtype)
     if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
             or M > info.sms * cfg.parts_rows or "fwd_parts" not in spec.names("fwd")):
         return None
     tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     kerns = _compile.kernels(spec, "fwd", config.source)
-    grid, block, kinds = (parts, M), (tpr, 1), _kinds(_FWD_ARGS + "p", dtype)
+    args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
+    grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", dtype)
     launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
               "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
     return Plan(spec, "fwd_parts", kerns["fwd_apply"], grid, block, 0, launch)

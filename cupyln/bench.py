@@ -228,7 +228,7 @@ def cases(op, x, dy, g, b, torch, liger, deterministic=False, config=None):
     return out
 
 
-def add_cases(op, x, dy, g, b, torch, liger):
+def add_cases(op, x, dy, g, b, torch, liger, config=None):
     """{(provider, pass): callable} of the fused residual add (``op`` "layernorm_add" or
     "rmsnorm_add", h in x's dtype): cupyln fused, cupyln's norm with a separate add
     ("cupyln_unfused"; torch's add where torch is present: CuPy's bfloat16 add is slow), torch
@@ -259,8 +259,8 @@ def add_cases(op, x, dy, g, b, torch, liger):
         bwd(dy, h, g, *stats, out=(dxs, *none))
         add(dxs, dr, dxs)
 
-    out = {("cupyln", "fwd"): lambda: fwd(x, *par, residual=r),
-           ("cupyln", "bwd"): lambda: bwd(dy, h, g, *stats, dresidual=dr),
+    out = {("cupyln", "fwd"): lambda: fwd(x, *par, residual=r, config=config),
+           ("cupyln", "bwd"): lambda: bwd(dy, h, g, *stats, dresidual=dr, config=config),
            ("cupyln_unfused", "fwd"): unfused_fwd, ("cupyln_unfused", "bwd"): unfused_bwd}
     if torch is None:
         return out

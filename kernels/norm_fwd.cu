@@ -296,10 +296,13 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
 // centred sum of squares; RMSNorm's sum of squares) to part[row][G][2]; APPLY = true merges the
 // row's G parts, every warp of every block in the same order (so the same bits), reads its
 // chunk again (from L2 where the first launch just read it) and writes y. Every SM streams where
-// a row per block or per cluster would leave most idle; any device.
-template <typename T, typename W, bool LN, int VEC, int WARP, bool APPLY>
-__global__ void __launch_bounds__(1024)
-norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
+// a row per block or per cluster would leave most idle; any device. ADD: the fused residual
+// add, h = x + res stored by the first launch (rows of N) and read back by the second.
+template <bool APPLY, typename T, typename W, bool LN, int VEC, int WARP, typename H = T,
+          bool ADD = false>
+__device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part,
+                                          const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
+                                          H* __restrict__ hout = nullptr) {
   typedef typename Acc<T>::type C;
   constexpr int NPT = 4;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
@@ -308,8 +311,14 @@ norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
       (cl_i64)G * chunk < N || t0 >= N)
     cl_trap();
   const cl_i64 row = blockIdx.y;
-  typename RowVec<T, VEC>::type p[NPT];
-  load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
+  typename RowVec<H, VEC>::type p[NPT];
+  if constexpr (ADD && APPLY) {
+    load_row<VEC, NPT>(hout + row * N, t0, N, true, p);  // h as the first launch stored it
+  } else if constexpr (ADD) {
+    load_row_add<VEC, NPT>(x + row * ldx, res + row * ldr, hout + row * N, t0, N, true, p);
+  } else {
+    load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
+  }
   C* pr = part + row * G * 2;
   const C inv_n = cl_inv_count(C(0), N);
   if constexpr (!APPLY) {
@@ -348,6 +357,18 @@ norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
     write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
                                         hg, hb);
   }
+}
+
+template <typename T, typename W, bool LN, int VEC, int WARP, bool APPLY>
+__global__ void __launch_bounds__(1024)
+norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
+  fwd_parts<APPLY, T, W, LN, VEC, WARP>(CLN_FWD_ARGS, part);
+}
+
+template <typename T, typename W, typename H, bool LN, int VEC, int WARP, bool APPLY>
+__global__ void __launch_bounds__(1024)
+norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part) {
+  fwd_parts<APPLY, T, W, LN, VEC, WARP, H, true>(CLN_FWD_ARGS, part, res, ldr, hout);
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for

@@ -120,6 +120,22 @@ def test_weight_offset(op, offset, N):
     cp.testing.assert_array_equal(dg, dg2)
 
 
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,hdt", [
+    (1, 1 << 20, BF16, F32, None), (3, 262152, F16, F16, F32), (2, 70001, F32, F32, None),
+    (5, 300008, F32, F32, None)])
+def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
+    """Few long rows of the fused forward in parts over the grid (h stored by the first launch,
+    read back by the second; 16-byte vectors and single elements, h in float32) match the
+    reference, as without parts."""
+    plans.spy("fwd")
+    for rows in (2.0, 0):
+        plans.replan(fwd_parts_rows=rows)
+        run_fused(op, M, N, dt, wdt, hdt, config=plans.config)
+        assert plans and all((p.variant == "fwd_parts") == (rows > 0) for p in plans), \
+            [p.variant for p in plans]
+
+
 # The backward's variants, each reached by its config: rows in a block with partials or atomics,
 # staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows.
 BWD_VARIANTS = {

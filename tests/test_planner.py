@@ -253,14 +253,23 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
 @example("bfloat16", 64, 1 << 20, 32, "sm_90")
 @example("bfloat16", 1, 65536, 32, "sm_80")
 @example("float32", 66, 1 << 21, 64, "hip")
+@example("bfloat16", 64, 1 << 20, 32, "sm_90")
 def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
     """Forward rows longer than one block (and on sm_90 than one chunk of a cluster), at most
-    ``parts_rows`` per SM, at 16-byte vectors or single elements, take two launches over a grid of (parts, M) blocks of whole warps, every
-    part non-empty and the parts covering the row, each row's parts within its share of
-    ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on any device; no other
-    row does."""
+    ``parts_rows`` per SM, at 16-byte vectors or single elements, take two launches over a grid
+    of (parts, M) blocks of whole warps (the fused add's too: h stored by the first, read back
+    by the second), every part non-empty and the parts covering the row, each row's parts
+    within its share of ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on
+    any device; no other row does."""
     hip = target == "hip"
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, target == "sm_90", hip=hip)
+    dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
+    for hdtype in (None, *h_dtypes(dtype)):
+        _check_fwd_parts(dt, M, N, warp, target, hip, hdtype)
+
+
+def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, target == "sm_90", hip=hip,
+                                    hdtype=hdtype)
     s = plan.spec
     wide = s.vec * s.dtype.itemsize == 16
     longer = -(-N // s.vec) > FWD.tpr_max * FWD.npt
@@ -403,6 +412,9 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     hdtype = h_dtypes(dtype)[-1 if wide_h else 0]
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    if plan.variant == "fwd_parts":  # few long rows: as the plain forward's, tested above
+        assert set(plan.launch) == {"fwd_parts", "fwd"} and "fwd_add_parts<" in str(built)
+        return
     plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, config=NO_PARTS)
     # split over a cluster where rows of 16-byte vectors are longer than a block, but (unstaged)
     # in blocks of tpr_max threads, or in chunks past the cluster, only for few rows
@@ -415,7 +427,7 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
         assert set(built) == {"fwd_cluster", "fwd_cluster_chunked"}
         assert all(n.startswith("norm_fwd_add_cluster<") for n in built.values())
         return
-    assert set(built) == {"fwd_add", "fwd_add_chunked"}
+    assert set(built) - {"fwd_parts", "fwd_apply"} == {"fwd_add", "fwd_add_chunked"}
     assert plan.variant == ("fwd_add" if plan.spec.npt * plan.block[0] * plan.spec.vec >= N
                             else "fwd_add_chunked")
     assert plan.spec.vec in (16 // dtype.itemsize, 1) and plan.spec.hdtype == hdtype
