@@ -88,7 +88,7 @@ class Spec(NamedTuple):
             clusters = self.tiles > 1 and not self.hip
             if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
                 names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
-            if self.wide or self.vec == 1:  # few long rows in parts over the grid
+            if self.wide:  # few long rows in parts over the grid
                 names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
                 names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
             if clusters and self.residual and self.wide:
@@ -105,23 +105,23 @@ class Spec(NamedTuple):
 
     def _fwd_names(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
-        if self.tiles > 1:  # rows split over a cluster: in one chunk, or in chunks
+        if self.tiles > 1:  # rows split over a cluster, in one chunk (longer ones: in parts)
             h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
             kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
             a = f"{kern}<{t}, {w}, {h}{_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}, " \
                 f"{self.tiles}"
             names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
-            if h:  # the fused add's rows past a cluster, in chunks (the plain ones: in parts)
-                names["fwd_cluster_chunked"] = f"{a}, cln::chunks>"
-            elif self.stages:  # resident clusters, the next row copied ahead
+            if self.stages and not h:  # resident clusters, the next row copied ahead
                 names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
             return names
         if self.hdtype is not None:  # the fused residual add: direct rows, chunks, parts
             a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"
-            return {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
-                    "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>",
-                    "fwd_parts": f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>",
-                    "fwd_apply": f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"}
+            names = {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
+                     "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
+            if self.wide:  # few long rows in parts over the grid, as the plain forward's
+                names["fwd_parts"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>"
+                names["fwd_apply"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"
+            return names
         if self.row:  # the row kernel: one chunk, threads fixed
             row = f"norm_fwd_row<{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}, {self.tpr}"
             npt = f", {self.npt}" if self.npt > 1 else ""
@@ -134,7 +134,7 @@ class Spec(NamedTuple):
         base = f"{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}"
         names = {"fwd": f"{fwd}, cln::params_late, cln::cols_tested>",
                  "fwd_chunked": f"norm_fwd_chunked<{base}>"}
-        if self.wide or self.vec == 1:  # few long rows split over the grid, in two launches
+        if self.wide:  # few long rows split over the grid, in two launches
             names["fwd_parts"] = f"norm_fwd_parts<{base}, cln::part_stats>"
             names["fwd_apply"] = f"norm_fwd_parts<{base}, cln::part_apply>"
         if self.stages:

@@ -64,10 +64,9 @@ class FwdConfig:
     # (64x32768 bf16: 10.5 against 9.9 us).
     cluster: bool = True
     cluster_tiles: int = 8
-    # The fused add's split rows that nothing overlaps (longer than a cluster holds, read twice
-    # in chunks, or unstaged in blocks of tpr_max threads, one per SM) only for few rows, M <=
-    # sms * cluster_few_rows, which unsplit leave SMs idle (64x1048576 bf16: 233 against 256
-    # us; fused RMSNorm 512x262144 bf16: 391 against 342).
+    # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
+    # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
+    # (fused RMSNorm 512x262144 bf16: 391 against 342 us unsplit).
     cluster_few_rows: float = 0.5
     # Rows longer than one block (on sm_90: than one chunk of a cluster), at most sms *
     # parts_rows of them, split over the grid in two launches (each part's statistics, then the
@@ -77,6 +76,9 @@ class FwdConfig:
     # cluster holds lost (1x65536 bf16 10.9 against 8.9, 512x262144 282 against 225). 0: off.
     parts_rows: float = 2.0
     parts_per_sm: int = 2
+    # The fused add's forward in parts for at most sms * parts_rows_add rows: 1x1048576 bf16
+    # 14.4 against 39.7 us, 64x1048576 193 / 238, but 128x1048576 362 / 351 (rows in chunks).
+    parts_rows_add: float = 0.5
 
     __post_init__ = _check_stage
 

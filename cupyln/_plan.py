@@ -324,23 +324,20 @@ def fwd_cluster_rows(cfg: FwdConfig, info, dtype, vec, g):
 
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
-    """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each: one chunk where
-    the row fits, staged where resident clusters loop over rows; else, for few rows, chunks of
-    ``tpr_max`` threads per block, one cluster per row (the fused add: direct, and in blocks of
-    ``tpr_max`` threads for few rows only). None where the rules say no or the driver cannot
-    place such a cluster."""
+    """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each, where one chunk
+    of the cluster holds the row: staged where resident clusters loop over rows, else one
+    cluster per row (the fused add: direct, and in blocks of ``tpr_max`` threads for few rows
+    only). None where the rules say no or the driver cannot place such a cluster (longer rows:
+    in parts over the grid where few, else a block each)."""
     cfg = config.fwd
-    if not fwd_cluster_rows(cfg, info, dtype, vec, g):
+    if not fwd_cluster_holds(cfg, info, dtype, vec, g, N):
         return None
     tiles = cfg.cluster_tiles
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
-    main = "fwd_cluster_chunked" if tpr > cfg.tpr_max else "fwd_cluster"
-    alone = main == "fwd_cluster_chunked" or (hdtype is not None and tpr >= cfg.tpr_max)
-    if alone and M > info.sms * cfg.cluster_few_rows:
+    if hdtype is not None and tpr >= cfg.tpr_max and M > info.sms * cfg.cluster_few_rows:
         return None  # nothing overlaps the exchanges: split only where SMs would idle
-    if main == "fwd_cluster_chunked" and hdtype is None:
-        return None  # plain rows past a cluster: in parts over the grid (or one block each)
-    block = (min(tpr, cfg.tpr_max), 1)
+    main = "fwd_cluster"
+    block = (tpr, 1)
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
                 hdtype=hdtype)
     kerns = _compile.kernels(spec, "fwd", config.source)
@@ -376,12 +373,14 @@ def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
 
 def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=None):
     """Rows longer than one block, and than one chunk of a cluster where the device has them,
-    at most ``sms * parts_rows`` of them, each split over blocks of the grid (two launches: the
-    parts' statistics, with the fused add's h, then y); None elsewhere."""
+    at most ``sms * parts_rows`` of them (the fused add's: ``parts_rows_add``), each split over
+    blocks of the grid (two launches: the parts' statistics, with the fused add's h, then y);
+    None elsewhere."""
     cfg = config.fwd
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip, hdtype=hdtype)
+    rows = cfg.parts_rows if hdtype is None else cfg.parts_rows_add
     if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
-            or M > info.sms * cfg.parts_rows or "fwd_parts" not in spec.names("fwd")):
+            or M > info.sms * rows or "fwd_parts" not in spec.names("fwd")):
         return None
     tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     kerns = _compile.kernels(spec, "fwd", config.source)

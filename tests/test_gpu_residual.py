@@ -126,13 +126,14 @@ def test_weight_offset(op, offset, N):
     (5, 300008, F32, F32, None)])
 def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
     """Few long rows of the fused forward in parts over the grid (h stored by the first launch,
-    read back by the second; 16-byte vectors and single elements, h in float32) match the
-    reference, as without parts."""
+    read back by the second; h in float32) match the reference, as without parts; rows of
+    single elements take chunks."""
     plans.spy("fwd")
     for rows in (2.0, 0):
-        plans.replan(fwd_parts_rows=rows)
+        plans.replan(fwd_parts_rows_add=rows)
         run_fused(op, M, N, dt, wdt, hdt, config=plans.config)
-        assert plans and all((p.variant == "fwd_parts") == (rows > 0) for p in plans), \
+        wide = N % (16 // dt.itemsize) == 0  # parts: 16-byte vectors (single elements: chunks)
+        assert plans and all((p.variant == "fwd_parts") == (rows > 0 and wide) for p in plans), \
             [p.variant for p in plans]
 
 

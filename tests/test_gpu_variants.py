@@ -333,9 +333,9 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     (264, 140000, F32, F32, True), (4, 4097 * 8, BF16, F32, True)])
 def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
     """Few forward rows longer than a block, split over the grid in two launches (a part's
-    statistics, then the merge and y; parts not a multiple of the chunk, single elements,
-    float64, strided rows), match the reference, as the path without parts does, and the plan
-    takes two launches exactly where asked and a cluster does not hold the row (sm_90)."""
+    statistics, then the merge and y; parts not a multiple of the chunk, float64, strided
+    rows), match the reference, as the path without parts does, and the plan takes two launches
+    exactly where asked, at 16-byte vectors, and a cluster does not hold the row (sm_90)."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
@@ -346,10 +346,11 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
         cfg = plans.config.fwd
-        held = [info.clusters and p.spec.vec * dt.itemsize == 16
-                and N // p.spec.vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt for p in plans]
-        assert plans and all((p.variant == "fwd_parts") == (rows > 0 and not h)
-                             for p, h in zip(plans, held, strict=True)), \
+        wide = [p.spec.vec * dt.itemsize == 16 for p in plans]  # parts: 16-byte vectors
+        held = [w and info.clusters and N // p.spec.vec <= cfg.cluster_tiles * cfg.tpr_max
+                * cfg.npt for p, w in zip(plans, wide, strict=True)]
+        assert plans and all((p.variant == "fwd_parts") == (rows > 0 and w and not h)
+                             for p, w, h in zip(plans, wide, held, strict=True)), \
             [p.variant for p in plans]
 
 
@@ -359,9 +360,9 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
     (66, 140000, F16, F32), (2, 40000, F64, F64)])
 def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
     """The long-row backward's row sums in parts over the grid, added by a second kernel, then
-    the column tiles (deterministic or not; single elements, float64, several warps per part)
-    match the reference, as the path without parts does, and the plan takes the parts exactly
-    where asked."""
+    the column tiles (deterministic or not; float64, several warps per part) match the
+    reference, as the path without parts does, and the plan takes the parts exactly where
+    asked, at 16-byte vectors (single elements: one block per row)."""
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
     for rows in (0.5, 0):
@@ -369,7 +370,8 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
         for det in (True, False):
             check_case(op, *case, deterministic=det, config=plans.config)
         long = [p for p in plans if "rowsums" in p.launch]
-        assert long and all(("rowsums_merge" in p.launch) == (rows > 0) for p in long)
+        assert long and all(("rowsums_merge" in p.launch) == (
+            rows > 0 and p.spec.vec * dt.itemsize == 16) for p in long)
 
 
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])

@@ -256,7 +256,8 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
 @example("bfloat16", 64, 1 << 20, 32, "sm_90")
 def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
     """Forward rows longer than one block (and on sm_90 than one chunk of a cluster), at most
-    ``parts_rows`` per SM, at 16-byte vectors or single elements, take two launches over a grid
+    ``parts_rows`` per SM (the fused add's: ``parts_rows_add``), at 16-byte vectors, take two
+    launches over a grid
     of (parts, M) blocks of whole warps (the fused add's too: h stored by the first, read back
     by the second), every part non-empty and the parts covering the row, each row's parts
     within its share of ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on
@@ -276,7 +277,8 @@ def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
     # rows that one chunk of a cluster holds take the cluster where the device has them
     cluster_holds = target == "sm_90" and wide and \
         N // s.vec <= FWD.cluster_tiles * FWD.tpr_max * FWD.npt
-    expect = longer and not cluster_holds and M <= 132 * FWD.parts_rows and (wide or s.vec == 1)
+    rows = FWD.parts_rows if hdtype is None else FWD.parts_rows_add
+    expect = longer and not cluster_holds and M <= 132 * rows and wide
     assert (plan.variant == "fwd_parts") == expect
     if not expect:
         assert "fwd_parts" not in plan.launch
@@ -302,8 +304,7 @@ def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
 @example("float16", 8, 3583, 32, "sm_90")  # two chunks: one block per row
 def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     """Rows too long for the backward's registers, at most ``parts_rows`` per SM, of at least
-    ``parts_chunks`` chunks of one block, at 16-byte vectors or single elements, get their row
-    sums in parts over the grid (blocks of whole warps
+    ``parts_chunks`` chunks of one block, at 16-byte vectors, get their row sums in parts over the grid (blocks of whole warps
     of at most ``rowsums_tpr`` threads, the parts covering the row, each row within its share
     of ``parts_per_sm`` blocks per SM), added by one warp per row; on any device."""
     hip = target == "hip"
@@ -312,8 +313,7 @@ def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
         return
     rs, s = plan.launch["rowsums"], plan.spec
     long = N >= BWD.parts_chunks * BWD.rowsums_tpr * s.npt * s.vec
-    expect = long and M <= 132 * BWD.parts_rows and (s.vec * s.dtype.itemsize == 16
-                                                     or s.vec == 1)
+    expect = long and M <= 132 * BWD.parts_rows and s.vec * s.dtype.itemsize == 16
     assert ("rowsums_merge" in plan.launch) == expect == (rs.kern.name == built.get(
         "rowsums_parts"))
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
@@ -422,9 +422,10 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     longer = v * dtype.itemsize == 16 and N // v > FWD.tpr_max * FWD.npt
     tpr = -(-N // v // (FWD.cluster_tiles * FWD.npt) // warp) * warp
     few = M <= 132 * FWD.cluster_few_rows
-    assert (plan.spec.tiles > 1) == (not hip and longer and (tpr < FWD.tpr_max or few))
+    held = tpr <= FWD.tpr_max  # by one chunk of the cluster
+    assert (plan.spec.tiles > 1) == (not hip and longer and held and (tpr < FWD.tpr_max or few))
     if plan.spec.tiles > 1:
-        assert set(built) == {"fwd_cluster", "fwd_cluster_chunked"}
+        assert set(built) == {"fwd_cluster"}
         assert all(n.startswith("norm_fwd_add_cluster<") for n in built.values())
         return
     assert set(built) - {"fwd_parts", "fwd_apply"} == {"fwd_add", "fwd_add_chunked"}
