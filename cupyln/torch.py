@@ -11,7 +11,8 @@ Under ``torch.compile`` the calls are ``torch.library`` custom ops (``cupyln::la
 and friends) with fake implementations and registered autograd, so ``fullgraph=True`` traces
 them; in eager mode the same functions run as a ``torch.autograd.Function``, without the custom
 op's dispatch cost. CUDA tensors go to the kernels without a copy (their memory wrapped as CuPy
-arrays, bfloat16 included), on torch's current stream of the tensor's device, into outputs
+arrays, bfloat16 included; a signature's later calls launch the first call's prepared pass on
+the tensors' addresses), on torch's current stream of the tensor's device, into outputs
 allocated by torch (its caching allocator holds them); the forward's mean/rstd are saved for
 the backward. CPU tensors run cupyln's NumPy path (the float64 reference, rounded to
 the tensor's dtype): the same results, for tests and CPU-only machines, not for speed.
