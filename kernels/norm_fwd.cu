@@ -271,11 +271,11 @@ __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS)
 }
 
 // Rows split over the CL blocks of a cluster (sm_90; the planner's choice for rows longer than
-// one block holds): x read once where the row fits in the cluster's registers (CHUNKED = false),
-// else in chunks spanning the cluster, read twice. STAGE (one chunk): resident clusters loop
-// over rows, each block copying its part of the next row into shared memory while it reduces
-// this one, so the exchanges' latency overlaps the loads. Built for 16-byte vectors, as the fused
-// add's (norm_fwd_add_cluster, direct).
+// one block holds and that the cluster's registers hold): x read once. (CHUNKED, chunks spanning
+// the cluster, read twice, is not built: few rows past a cluster run in parts, norm_fwd_parts.)
+// STAGE: resident clusters loop over rows, each block copying its part of the next row into
+// shared memory while it reduces this one, so the exchanges' latency overlaps the loads. Built
+// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster, direct).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL, bool CHUNKED,
           bool STAGE = false>
 __global__ void __launch_bounds__(1024)
