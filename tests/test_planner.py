@@ -268,6 +268,18 @@ def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
         _check_fwd_parts(dt, M, N, warp, target, hip, hdtype)
 
 
+def _check_parts_geometry(parts, tpr, npt, vec, M, N, warp, tpr_max, per_sm):
+    """Rows in parts: blocks of whole warps, at most tpr_max threads of npt vectors, every part
+    non-empty and the parts covering the row; the fewest warps that keep each row within its
+    share of per_sm * SMs blocks (or blocks of tpr_max threads)."""
+    chunk = tpr * npt * vec
+    assert tpr % warp == 0 and warp <= tpr <= tpr_max
+    assert (parts - 1) * chunk < N <= parts * chunk
+    share, nvec = -(-per_sm * 132 // M), -(-N // vec)
+    assert parts <= share or tpr == tpr_max
+    assert tpr == warp or -(-nvec // (npt * (tpr - warp))) > share
+
+
 def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, target == "sm_90", hip=hip,
                                     hdtype=hdtype)
@@ -284,13 +296,8 @@ def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
         assert "fwd_parts" not in plan.launch
         return
     (parts, rows), (tpr, one) = plan.grid, plan.block
-    chunk = tpr * FWD.npt * s.vec
-    assert rows == M and one == 1 and tpr % warp == 0 and warp <= tpr <= FWD.tpr_max
-    assert (parts - 1) * chunk < N <= parts * chunk
-    # the fewest whole warps that keep each row within its share of parts_per_sm * SMs blocks
-    share, nvec = -(-FWD.parts_per_sm * 132 // M), -(-N // s.vec)
-    assert parts <= share or tpr == FWD.tpr_max
-    assert tpr == warp or -(-nvec // (FWD.npt * (tpr - warp))) > share
+    assert rows == M and one == 1
+    _check_parts_geometry(parts, tpr, FWD.npt, s.vec, M, N, warp, FWD.tpr_max, FWD.parts_per_sm)
     assert set(plan.launch) == {"fwd_parts", "fwd"}
     assert plan.launch["fwd"].kern.name == built["fwd_apply"]
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
@@ -304,9 +311,10 @@ def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
 @example("float16", 8, 3583, 32, "sm_90")  # two chunks: one block per row
 def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     """Rows too long for the backward's registers, at most ``parts_rows`` per SM, of at least
-    ``parts_chunks`` chunks of one block, at 16-byte vectors, get their row sums in parts over the grid (blocks of whole warps
-    of at most ``rowsums_tpr`` threads, the parts covering the row, each row within its share
-    of ``parts_per_sm`` blocks per SM), added by one warp per row; on any device."""
+    ``parts_chunks`` chunks of one block, at 16-byte vectors, get their row sums in parts over
+    the grid (blocks of whole warps of at most ``rowsums_tpr`` threads, the parts covering the
+    row, each row within its share of ``parts_per_sm`` blocks per SM), added by one warp per
+    row; on any device."""
     hip = target == "hip"
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip)
     if "rowsums" not in plan.launch:
@@ -320,12 +328,9 @@ def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     if not expect:
         return
     (rows, parts), (tpr, one) = rs.grid, rs.block
-    chunk = tpr * s.npt * s.vec
-    assert rows == M and one == 1 and tpr % warp == 0 and warp <= tpr <= BWD.rowsums_tpr
-    assert (parts - 1) * chunk < N <= parts * chunk
-    share, nvec = -(-BWD.parts_per_sm * 132 // M), -(-N // s.vec)
-    assert parts <= share or tpr == BWD.rowsums_tpr
-    assert tpr == warp or -(-nvec // (s.npt * (tpr - warp))) > share
+    assert rows == M and one == 1
+    _check_parts_geometry(parts, tpr, s.npt, s.vec, M, N, warp, BWD.rowsums_tpr,
+                          BWD.parts_per_sm)
     merge = plan.launch["rowsums_merge"]
     assert merge.block[0] == warp and merge.grid[0] * merge.block[1] >= M
 
