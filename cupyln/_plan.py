@@ -317,10 +317,11 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def fwd_cluster_rows(cfg: FwdConfig, info, dtype, vec, g):
+def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
     """Whether forward rows of geometry ``g`` split over a cluster: sm_90, 16-byte vectors, rows
-    longer than one block holds."""
-    return info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits
+    longer than one block holds and that one chunk of the cluster holds (x read once)."""
+    return (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits
+            and N // vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt)
 
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
@@ -363,12 +364,6 @@ def parts_geometry(per_sm, npt, tpr_max, info, M, N, vec):
     share = cdiv(per_sm * info.sms, M)
     tpr = min(max(round_up(cdiv(nvec, npt * share), info.warp), info.warp), tpr_max)
     return tpr, cdiv(nvec, npt * tpr)
-
-
-def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
-    """Whether forward rows of geometry ``g`` split over a cluster in one chunk (x read once)."""
-    return (fwd_cluster_rows(cfg, info, dtype, vec, g)
-            and N // vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt)
 
 
 def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=None):
