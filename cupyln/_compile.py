@@ -81,6 +81,7 @@ class Spec(NamedTuple):
                 names["bwd_staged_dyn"] = f"norm_bwd<{a}, cln::staged, cln::partials, " \
                                           "cln::tickets>"
         if pass_ == "bwd_long":  # rows longer than one block: column tiles
+            names["reduce_cols"] = f"norm_bwd_reduce_cols<{acc}, {CTYPES[self.wdtype]}>"
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N:
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)

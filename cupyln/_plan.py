@@ -419,6 +419,16 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
 
 
+def _reduce_launcher(cfg: BwdConfig, kerns, N):
+    """The sum of the partials: four columns per thread over rows of at least
+    ``reduce_cols_n`` elements (a multiple of 4) where the module has that kernel, else 32
+    columns per block of eight row groups (the same order, the same bits)."""
+    if "reduce_cols" in kerns and N % 4 == 0 and N >= cfg.reduce_cols_n:
+        return Launcher(kerns["reduce_cols"], (cdiv(2 * N, 4 * 256),), (256, 1), 0,
+                        _REDUCE_ARGS)
+    return Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
+
+
 def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
     """The row sums before column tiles: for at most ``sms * parts_rows`` rows of at least
     ``parts_chunks`` chunks of one block, in parts over the grid (about ``parts_per_sm``
@@ -496,8 +506,7 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     if fused and main == "bwd":
         main = "bwd_last"  # the last block sums the partials: one launch
     else:
-        launch["reduce"] = Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0,
-                                    _REDUCE_ARGS)
+        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
     if dyn:
         launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)

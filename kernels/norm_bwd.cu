@@ -517,3 +517,38 @@ norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict
     out[is_g ? col : col - N] = Store<W>::cvt(tot);
   }
 }
+
+// The same sums for long rows (2N columns, few rows of partials; N a multiple of 4): four
+// adjacent columns per thread, each with all eight of partial_groups' groups, added in the same
+// order (the same bits), loaded 16 bytes at a time. norm_bwd_reduce's 32 columns per block gave
+// 1x1048576 bf16 65536 blocks of mostly idle threads: 55 us, bound by block launches.
+template <typename C, typename W>
+__global__ void __launch_bounds__(256)
+norm_bwd_reduce_cols(const C* __restrict__ partial, cl_i64 P, cl_i64 N,
+                     W* __restrict__ dgamma, W* __restrict__ dbeta) {
+  const cl_i64 col = ((cl_i64)blockIdx.x * blockDim.x + threadIdx.x) * 4;  // in [0, 2N)
+  const bool is_g = col < N;
+  W* out = is_g ? dgamma : dbeta;
+  if (col >= 2 * N || out == nullptr) return;
+  C s[8][4];
+#pragma unroll
+  for (int g = 0; g < 8; ++g)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[g][j] = C(0);
+  for (cl_i64 p = 0; p < P; p += 8) {
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      if (p + g >= P) break;
+      const Pack<C, 4> v = *reinterpret_cast<const Pack<C, 4>*>(partial + (p + g) * 2 * N + col);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s[g][j] += v.v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    C tot = C(0);
+#pragma unroll
+    for (int g = 0; g < 8; ++g) tot += s[g][j];
+    out[(is_g ? col : col - N) + j] = Store<W>::cvt(tot);
+  }
+}

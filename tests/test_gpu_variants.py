@@ -374,6 +374,29 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
             rows > 0 and p.spec.vec * dt.itemsize == 16) for p in long)
 
 
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [
+    (1, 1 << 20, BF16, BF16), (3, 140000, F16, F32), (2, 40000, F64, F64),
+    (400, 20000, F16, F16), (70, 9002, BF16, F32), (5, 65540, F32, F32)])
+def test_long_rows_partials_summed_four_columns_per_thread(plans, op, M, N, dt, wdt):
+    """The long-row backward's partials summed four columns per thread match the reference and
+    give bitwise what 32 columns per block give (the same order; 400 and 70 rows: several
+    partial rows per group), taken exactly where asked on rows of a multiple of 4."""
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    got = {}
+    for least in (0, 1 << 62):
+        plans.replan(bwd_reduce_cols_n=least)
+        got[least] = check_case(op, *case, deterministic=True, config=plans.config)
+        check_case(op, *case, need=(False, op == "rms", op == "ln"), config=plans.config)
+        # four columns per thread: blocks of one row of threads (else eight row groups)
+        blocks = [p.launch["reduce"].block for p in plans if "reduce" in p.launch]
+        assert blocks and all((b[1] == 1) == (least == 0 and N % 4 == 0)
+                              for b in blocks), blocks
+    for a, b in zip(got[0], got[1 << 62], strict=True):
+        assert (a is None and b is None) or cp.array_equal(a, b)
+
+
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])
 def test_staged_clusters_with_need_flags(plans, need):
     """The staged cluster backward (blocks looping over rows, sm_90) with dx or a parameter's

@@ -355,6 +355,28 @@ def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clus
     assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 21), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+@example("bfloat16", 1, 1 << 20, 32, "sm_90")
+@example("float32", 64, 65540, 64, "hip")
+@example("bfloat16", 64, 65538, 32, "sm_80")
+def test_long_rows_partials_summed_four_columns_per_thread(dt, M, N, warp, target):
+    """The partials of rows of at least ``reduce_cols_n`` elements, a multiple of 4, are summed
+    four columns per thread in blocks of one row of threads, the grid covering 2N columns; all
+    other partials 32 columns per block of eight row groups; on any device."""
+    hip = target == "hip"
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip)
+    if "reduce" not in plan.launch:
+        return
+    red = plan.launch["reduce"]
+    cols = N >= BWD.reduce_cols_n and N % 4 == 0
+    assert (red.kern.name == built.get("reduce_cols")) == cols
+    per_block = red.block[0] * 4 if cols else 32
+    assert red.block[1] == (1 if cols else 8) and (red.grid[0] - 1) * per_block < 2 * N
+    assert red.grid[0] * per_block >= 2 * N
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+
+
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 18), WARPS, st.booleans())
 def test_backward_rows_come_from_tickets_exactly_where_staged_blocks_span_warps(dt, M, N, warp,
