@@ -142,8 +142,9 @@ class HotBwd(_Prepared):
         # dgamma/dbeta partials of each block, the row sums of long rows, and (only while a graph
         # is being captured) the zeroed ticket counter and atomic sums (see _atomic_scratch)
         P = plan.grid[0]
-        # dgamma/dbeta flushed through memory: not where one cluster sums them itself
-        params = (want[1] or want[2]) and plan.variant != "bwd_csum"
+        # dgamma/dbeta flushed through memory: not where one cluster sums them itself, nor
+        # where each block holds all rows of its columns (plan.direct)
+        params = (want[1] or want[2]) and plan.variant != "bwd_csum" and not plan.direct
         self.atomic = params and not partials
         # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
         # where the plan has no reduction kernel; dynamic rows take their tickets from a

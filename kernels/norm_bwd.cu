@@ -28,7 +28,8 @@
 // this thread's columns from c0) leave the block, to their owners in one cluster (XC > 1,
 // ClusterSums, whose owners then write dgamma/dbeta), to this block's row of partials (summed
 // by norm_bwd_reduce, or here by the last block where LAST), or by float32 atomics into `accum`
-// (the last block casts and zeroes them).
+// (the last block casts and zeroes them), or, with neither (DIRECT: a grid of one row of blocks,
+// so each block holds every row of its columns), straight to dgamma/dbeta.
 template <typename W, int VEC, int NPT, int XC, bool LAST, typename C, typename CS>
 __device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
                                              const C (&acc_b)[NPT][VEC], CS& csum, cl_i64 c0,
@@ -61,11 +62,17 @@ __device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
       } else if (partial) {
         if (want_g) store_vec<VEC>(prow + col, acc_g[k]);
         if (want_b) store_vec<VEC>(prow + N + col, acc_b[k]);
-      } else {
+      } else if (accum) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
           if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
+        }
+      } else {  // the only block of these columns (DIRECT): its sums are dgamma/dbeta
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          if (want_g) dgamma[col + j] = Store<W>::cvt(acc_g[k][j]);
+          if (want_b) dbeta[col + j] = Store<W>::cvt(acc_b[k][j]);
         }
       }
       continue;
@@ -77,7 +84,8 @@ __device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
         if (col >= N) return;
         if constexpr (XC > 1) csum.send(off + col, s);
         else if (partial) prow[off + col] = s;
-        else atomicAdd(accum + off + col, s);
+        else if (accum) atomicAdd(accum + off + col, s);
+        else (off ? dbeta : dgamma)[col] = Store<W>::cvt(s);  // DIRECT
       };
     };
     if (want_g) block_column_sums<VEC>(acc_g[k], buf, flush_to(0));
@@ -96,6 +104,7 @@ __device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
   // Only the LAST variant has the last-block sums: compiled into the other kernels that code
   // had cost the staged LayerNorm kernel 8% at 131072x4096 bf16.
   if (partial && !(LAST && counter)) return;  // summed by norm_bwd_reduce
+  if (!partial && !accum) return;  // DIRECT: written above
 
   // The last block to finish (a ticket counter) writes dgamma/dbeta: with partials (a grid of
   // few blocks, the host's choice) it sums every block's row as norm_bwd_reduce would; with the

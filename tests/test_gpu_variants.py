@@ -376,7 +376,7 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [
-    (1, 1 << 20, BF16, BF16), (3, 140000, F16, F32), (2, 40000, F64, F64),
+    (2, 1 << 20, BF16, BF16), (3, 140000, F16, F32), (2, 40000, F64, F64),
     (400, 20000, F16, F16), (70, 9002, BF16, F32), (5, 65540, F32, F32)])
 def test_long_rows_partials_summed_four_columns_per_thread(plans, op, M, N, dt, wdt):
     """The long-row backward's partials summed four columns per thread match the reference and
@@ -395,6 +395,25 @@ def test_long_rows_partials_summed_four_columns_per_thread(plans, op, M, N, dt, 
                               for b in blocks), blocks
     for a, b in zip(got[0], got[1 << 62], strict=True):
         assert (a is None and b is None) or cp.array_equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [
+    (1, 1 << 20, BF16, BF16), (1, 140000, F16, F32), (1, 70001, F32, F32), (1, 40000, F16, F16),
+    (1, 65536, BF16, F32), (1, 9000, F64, F64)])
+def test_one_row_of_blocks_writes_dgamma_dbeta(plans, op, M, N, dt, wdt):
+    """A backward grid of one row of blocks (one long row: column tiles, or a cluster of them)
+    writes dgamma/dbeta from each block's sums, with no partials and no second launch: it
+    matches the reference, deterministic or not, with either parameter gradient alone."""
+    case = inputs(M, N, dt, wdt)
+    plans.spy("bwd")
+    plans.replan(bwd_atomic_flush=True)  # not taken: nothing to accumulate across blocks
+    for det in (True, False):
+        check_case(op, *case, deterministic=det, config=plans.config)
+    check_case(op, *case, need=(False, op == "rms", op == "ln"), config=plans.config)
+    check_case(op, *case, need=(True, op == "ln", False), config=plans.config)
+    assert plans and all(p.direct and p.grid[0] == 1 and "reduce" not in p.launch
+                         for p in plans), [(p.variant, p.grid) for p in plans]
 
 
 @pytest.mark.parametrize("need", [(False, True, True), (False, True, False), (True, False, False)])
@@ -423,7 +442,7 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
     """A grid of few blocks sums its dgamma/dbeta partials in its last block (one kernel): it
     matches the reference, deterministic or not, with either parameter gradient alone too; and
     on the same grid (rows not spread over more blocks) it gives bitwise what the separate
-    reduction kernel gives. Up to 64 blocks here (the default limit is lower), so that the
+    reduction kernel gives (or, on one row of blocks, what each block writes itself). Up to 64 blocks here (the default limit is lower), so that the
     eight interleaved groups of partial rows take more than one row each."""
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
@@ -436,7 +455,9 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
         check_case(op, *case, config=cfg)
         check_case(op, *case, need=(False, op == "rms", op == "ln"), config=cfg)
         plan = plans[0]
-        assert ("reduce" in plan.launch) != fused, plan.grid
+        # no second launch: the last block sums, or one row of blocks writes them itself
+        assert ("reduce" in plan.launch) == (not fused and plan.grid[0] > 1), plan.grid
+        assert plan.direct == (not fused and plan.grid[0] == 1)
         assert plan.variant == ("bwd_last" if fused else "bwd")
     for a, b in zip(got[True], got[False], strict=True):
         assert (a is None and b is None) or cp.array_equal(a, b)

@@ -360,12 +360,17 @@ def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clus
 @example("bfloat16", 1, 1 << 20, 32, "sm_90")
 @example("float32", 64, 65540, 64, "hip")
 @example("bfloat16", 64, 65538, 32, "sm_80")
-def test_long_rows_partials_summed_four_columns_per_thread(dt, M, N, warp, target):
-    """The partials of rows of at least ``reduce_cols_n`` elements, a multiple of 4, are summed
-    four columns per thread in blocks of one row of threads, the grid covering 2N columns; all
+def test_backward_partials_where_and_how_summed(dt, M, N, warp, target):
+    """The backward's dgamma/dbeta partials: none on one row of blocks (each block writes its
+    columns' sums itself). Those of rows of at least ``reduce_cols_n`` elements, a multiple of
+    4, are summed four columns per thread in blocks of one row of threads, the grid covering 2N columns; all
     other partials 32 columns per block of eight row groups; on any device."""
     hip = target == "hip"
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip)
+    # one row of blocks writes dgamma/dbeta itself; the last block or a cluster sums its own
+    assert plan.direct == (plan.grid[0] == 1 and plan.variant not in ("bwd_last", "bwd_csum"))
+    assert ("reduce" in plan.launch) == (plan.grid[0] > 1 and plan.variant not in (
+        "bwd_last", "bwd_csum"))
     if "reduce" not in plan.launch:
         return
     red = plan.launch["reduce"]
