@@ -40,6 +40,7 @@ class Spec(NamedTuple):
     hip: bool = False  # ROCm: no staged (cp.async) or cluster kernels
     hdtype: np.dtype | None = None  # forward: the fused residual add's h (its kernels alone)
     residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
+    peeled: bool = False  # forward: rows' heads and tails peeled off 16-byte vectors (alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -106,6 +107,9 @@ class Spec(NamedTuple):
 
     def _fwd_names(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
+        if self.peeled:
+            op = _op(self.is_ln)
+            return {"fwd_peeled": f"norm_fwd_peeled<{t}, {w}, {op}, {self.npt}, {self.warp}>"}
         if self.tiles > 1:  # rows split over a cluster, in one chunk (longer ones: in parts)
             h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
             kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
@@ -158,7 +162,7 @@ class Spec(NamedTuple):
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
             + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
             + (f", h={self.hdtype}" if self.hdtype is not None else "")
-            + (", dresidual]" if self.residual else "]")
+            + (", peeled" if self.peeled else "") + (", dresidual]" if self.residual else "]")
         )
 
 

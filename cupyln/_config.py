@@ -80,6 +80,11 @@ class FwdConfig:
     # 14.4 against 39.7 us, 64x1048576 193 / 238, but 128x1048576 362 / 351 (rows in chunks).
     parts_rows_add: float = 0.5
 
+    # Rows on which 16-byte vectors do not fit as they are (odd N, odd row strides): each row's
+    # head and tail peeled off, the middle in 16-byte vectors, where x's and y's rows start
+    # alike within 16 bytes; else narrower vectors over the whole row.
+    peel: bool = True
+
     __post_init__ = _check_stage
 
 

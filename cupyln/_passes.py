@@ -66,7 +66,7 @@ class _Prepared:
 
 class HotFwd(_Prepared):
     __slots__ = ("dev", "launch", "parts", "layout", "given", "consts", "xmask", "wmask", "hmask",
-                 "is_ln", "ext", "add", "ldr")
+                 "is_ln", "ext", "add", "ldr", "peel")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, ldr=0):
         hdtype = plan.spec.hdtype
@@ -83,7 +83,9 @@ class HotFwd(_Prepared):
                              [part_bytes] if self.parts else [])
         self.consts = (ldx, M, N, eps)
         self.ext = Extents()
-        v = plan.spec.vec
+        # peeled rows: any element address, x's and y's rows alike within 16 bytes
+        self.peel = plan.variant == "fwd_peeled"
+        v = 1 if self.peel else plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * plan.spec.wdtype.itemsize - 1
         self.hmask = v * hdtype.itemsize - 1 if self.add else 0
@@ -114,6 +116,8 @@ class HotFwd(_Prepared):
         mean, the add's absent)."""
         xp, gp, bp, resp, yp, mp, rp, hp = ptrs
         if (xp | yp) & self.xmask or (gp | bp) & self.wmask or (resp | hp) & self.hmask:
+            return False
+        if self.peel and (xp ^ yp) & 15:
             return False
         ldx, M, N, eps = self.consts
         add = (resp, self.ldr, hp) if self.add else ()
@@ -313,7 +317,13 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         if hdtype is not None:
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
-        plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype)
+        # narrower vectors: rows peeled where x's and y's (allocated: 256-byte aligned) start
+        # alike within 16 bytes
+        wide = 16 // x.itemsize
+        y_at = out[0].data.ptr if out and out[0] is not None else 0
+        peel = (hdtype is None and vec < wide and (ldx - N) % wide == 0
+                and (xr.data.ptr - y_at) % 16 == 0)
+        plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
         hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:
             remember(hot)
@@ -430,7 +440,8 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
         vec = vec_width(dtype, N, (N,), [])
         is_ln, M = op == "layernorm", max(M, 1)
         # the arguments as the calls give them (the plans' LRU caches key on them)
-        _plan.plan_fwd(dev, config, dtype, wdtype, is_ln, M, N, vec, None)
+        _plan.plan_fwd(dev, config, dtype, wdtype, is_ln, M, N, vec, None,
+                       vec < 16 // dtype.itemsize)
         _plan.plan_bwd(dev, config, dtype, wdtype, is_ln, M, N, vec)
         plans += 2
     return plans

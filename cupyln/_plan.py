@@ -144,6 +144,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
                         for tpr in row_kernel_widths(fc, warp, n):
                             spec = Spec(t, w, ln, v, n, warp, tpr=tpr, row=True, hip=hip)
                             names.update(spec.names("fwd").values())
+                if v * t.itemsize == 16:  # narrower rows peeled
+                    for n in PEEL_NPTS:
+                        names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
+                                     .names("fwd").values())
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
                                          ("bwd_long", bc.cluster_tiles)):
@@ -281,10 +285,39 @@ def _takes_row_kernel(cfg, info, g, dtype, M, N, vec):
     return rg if ok else None
 
 
+PEEL_NPTS = (1, 4, 8)  # the vectors per thread norm_fwd_peeled is built for (2: rows too short)
+
+
+def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
+    """Rows whose heads and tails are peeled off 16-byte vectors: the general geometry of their
+    16-byte vectors (rows longer than one chunk at 8 vectors per thread), in one chunk of at
+    least 2 * VEC threads (one per peeled element); None elsewhere (narrow vectors then)."""
+    cfg, wp = config.fwd, info.warp
+    vec = 16 // dtype.itemsize
+    if not cfg.peel or N < 2 * vec:
+        return None
+    g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
+    if not g.fits:
+        g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp,
+                   2 * info.sms)
+    if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
+        return None
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
+    kern = _compile.kernels(spec, "fwd", config.source)["fwd_peeled"]
+    grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, "fwd_peeled", kern, grid, block, 0, launch)
+
+
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None):
-    """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec)."""
+def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None, peel=False):
+    """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec);
+    ``peel``: narrower vectors than 16 bytes whose rows start alike in x and y within 16 bytes
+    (the caller's check), so that their heads and tails can be peeled off."""
     info, cfg = device_info(dev_id), config.fwd
+    peeled = _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N) if peel else None
+    if peeled is not None:
+        return peeled
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
     parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype)

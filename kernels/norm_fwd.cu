@@ -28,11 +28,13 @@ __device__ __forceinline__ void tile_allreduce(C (&v)[1], int phase) {
 // `inv_cnt` = 1 / N: no division and no merge on the row's critical path. FULL: every vector
 // lies below N (see fwd_rows). CL > 1: the chunk spans the CL blocks of a cluster (from c0, this
 // block's part from t0), whose sums cluster_allreduce adds.
+// EDGE: one more element `ex` of the row in this thread (a peeled head or tail element, where
+// `has_ex`), counted in `inv_cnt` but outside the vectors.
 template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, bool FULL, int TPR, int CL,
-          typename R, typename C>
+          bool EDGE = false, typename R, typename C>
 __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64 t0, cl_i64 N,
                                             cl_i64 chunk, int phase, C inv_cnt, C& n, C& mean,
-                                            C& m2) {
+                                            C& m2, C ex = C(0), bool has_ex = false) {
   C s[1] = {C(0)};
 #pragma unroll
   for (int k = 0; k < NPT; ++k)
@@ -41,6 +43,7 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
       const C v = (C)elem(p[k], j);
       s[0] += LN ? v : v * v;
     }
+  if (EDGE && has_ex) s[0] += LN ? ex : ex * ex;
   // Consecutive calls alternate the reduction buffers: LayerNorm calls twice per chunk (2p and
   // 2p + 1), RMSNorm once (p). racecheck found RMSNorm at 2p (always the same buffer) racing.
   tile_allreduce<CL, WARP, TPR>(s, LN ? 2 * phase : phase);
@@ -61,6 +64,7 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
       q[0] += d * d;
     }
   }
+  if (EDGE && has_ex) q[0] += (ex - cm) * (ex - cm);
   tile_allreduce<CL, WARP, TPR>(q, 2 * phase + 1);
   if (CHUNKED) {
     chan_merge(n, mean, m2, cnt, cm, q[0]);
@@ -251,6 +255,62 @@ __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
 template <typename T, typename W, bool LN, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
   fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(CLN_FWD_ARGS);
+}
+
+// Rows on which 16-byte vectors do not fit as they are (odd N, or a row stride that is not a
+// multiple of the vector): each row's head (the elements before its first 16-byte boundary) and
+// tail (after its last) are peeled off, one element per thread of the first 2 * VEC, and the
+// middle streams in 16-byte vectors from that boundary, one chunk in registers (NPT vectors per
+// thread). y's rows start at the same offset within 16 bytes as x's (the host's rule), so they
+// peel alike; gamma and beta, aligned at column 0, are read per element (from L1). blockDim.x
+// >= 2 * VEC, N >= 2 * VEC.
+template <typename T, typename W, bool LN, int NPT, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  const C inv_n = cl_inv_count(C(0), N);
+  const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
+  const int t = threadIdx.x;
+  typename RowVec<T, VEC>::type p[NPT];
+  int phase = 0;
+  for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
+    const cl_i64 row = base + threadIdx.y;
+    const bool valid = row < M;
+    const T* xr = x + (valid ? row : 0) * ldx;
+    const int head = (int)(((16 - ((size_t)xr & 15)) & 15) / sizeof(T));
+    const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
+    // this thread's peeled element: head element t, or tail element t - VEC
+    const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
+    const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
+    const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    load_row<VEC, NPT>(xr + head, 0, mid, valid, p);
+    C n = C(0), mean = C(0), m2 = C(0);
+    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(p, 0, 0, mid, mid, phase, inv_n,
+                                                               n, mean, m2, ex, has_e);
+    const C mu = LN ? mean : C(0);
+    const C rstd = cl_rsqrt(m2 * inv_n + eps);
+    if (!valid) continue;
+    if (t == 0) {
+      if (LN) mean_out[row] = (float)mu;
+      rstd_out[row] = (float)rstd;
+    }
+    // as write_chunk's one path: an absent gamma taken as 1, an absent beta as -0
+    auto norm = [&](C v, cl_i64 c) {
+      const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
+      return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
+    };
+    T* yr = y + row * N;
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      if (col >= mid) continue;
+      C o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
+      store_vec<VEC>(yr + head + col, o);
+    }
+    if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
+  }
 }
 
 // The fused residual add (fwd_rows' ADD), h in H: rows of one chunk, NPT vectors per thread,

@@ -499,3 +499,52 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
             assert (a is None and b is None) or cp.array_equal(a, b)
 
 
+
+
+# --------------------------------------------------------------------------- peeled rows
+
+
+def _padded(a, extra):
+    """``a`` (2-D) as the first columns of rows ``extra`` elements longer."""
+    big = cp.zeros((a.shape[0], a.shape[1] + extra), a.dtype)
+    big[:, : a.shape[1]] = a
+    return big[:, : a.shape[1]]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,extra", [
+    (8, 3583, F16, F16, 0), (37, 3583, BF16, F32, 0), (300, 50257, BF16, BF16, 0),
+    (1000, 4099, F32, F32, 0), (5, 777, F64, F64, 0), (33000, 130, F16, F32, 0),
+    (64, 17, F16, F16, 0), (3, 33, F32, F32, 0), (70, 4100, BF16, BF16, 0),
+    (40, 3583, F16, F16, 8), (40, 3583, F16, F16, 1), (9, 1001, F32, F32, 4)])
+def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
+    """Rows on which 16-byte vectors do not fit as they are (odd N, row strides ``extra``
+    elements longer) match the reference with their heads and tails peeled off, and without;
+    the peeled kernel runs exactly where x's and y's rows start alike within 16 bytes, the row
+    is long enough and fits one chunk."""
+    case = inputs(M, N, dt, wdt)
+    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    plans.spy("fwd")
+    wide = 16 // dt.itemsize
+    for peel in (True, False):
+        plans.replan(fwd_peel=peel)
+        check_case(op, *case, layout=layout, config=plans.config)
+        alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
+        peeled = [p.variant == "fwd_peeled" for p in plans]
+        assert plans and (all(peeled) if peel and alike and N // wide >= 8 * wide
+                          else not any(peeled) if not (peel and alike) else True), peeled
+
+
+def test_peeled_rows_with_y_unlike_x(plans):
+    """A peelable signature called again with y given one element past an aligned start (its
+    rows then start unlike x's within 16 bytes) runs the narrow path, and still matches."""
+    x_h, _, g_h, b_h = inputs(40, 3583, F16, F16)
+    x, g, b = cp.asarray(x_h), cp.asarray(g_h), cp.asarray(b_h)
+    plans.spy("fwd")
+    want = ref.layer_norm_fwd(x_h, g_h, b_h, 1e-5)
+    for shift in (0, 0, 1, 0):
+        y = cp.full(x.size + shift, 7, x.dtype)[shift:].reshape(x.shape)
+        got = cupyln.layer_norm_fwd(x, g, b, out=(y, None, None))
+        assert got[0] is y
+        assert_close(y, want[0], "y")
+    assert [p.variant for p in plans] == ["fwd_peeled", "fwd"], [p.variant for p in plans]

@@ -128,11 +128,11 @@ _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
-                      hdtype=None, residual=False):
+                      hdtype=None, residual=False, peel=False):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
-    and backward."""
+    and backward; ``peel``: the forward of rows narrower than 16 bytes, peelable."""
     from unittest import mock
 
     from cupyln._dtypes import BFLOAT16
@@ -158,6 +158,9 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         if residual:
             return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N,
                                               add_vec(dtype, vec), True), built
+        if peel:
+            return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N, vec, None,
+                                              vec * dtype.itemsize < 16), built
         planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec), built
 
@@ -278,6 +281,37 @@ def _check_parts_geometry(parts, tpr, npt, vec, M, N, warp, tpr_max, per_sm):
     share, nvec = -(-per_sm * 132 // M), -(-N // vec)
     assert parts <= share or tpr == tpr_max
     assert tpr == warp or -(-nvec // (npt * (tpr - warp))) > share
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
+       st.integers(1, 1 << 17), WARPS, st.booleans())
+@example("float16", 8, 3583, 32, False)
+@example("bfloat16", 2670, 50257, 32, False)
+@example("float32", 4096, 4099, 64, True)
+@example("float16", 37460, 3583, 32, False)
+def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
+    """Rows on which 16-byte vectors do not fit, given as peelable, take the peeled kernel (on
+    any device) wherever one chunk of 16-byte vectors, at most 8 per thread, holds the row
+    (certainly from 8 * VEC vectors; never below 2 * VEC elements): at least 2 * VEC threads
+    per row (one per peeled element), the threads' vectors covering the row's middle, the grid
+    covering M or at its cap; never rows of 16-byte vectors."""
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, peel=True)
+    s = plan.spec
+    wide = 16 // s.dtype.itemsize
+    nvec = N // wide
+    peeled = plan.variant == "fwd_peeled"
+    if N % wide == 0 or N < 2 * wide or nvec > 8 * FWD.tpr_max:
+        assert not peeled
+    elif nvec >= 8 * wide:
+        assert peeled
+    if not peeled:
+        return
+    (grid,), (tpr, rpb) = plan.grid, plan.block
+    assert s.peeled and s.vec == wide and s.npt in _plan.PEEL_NPTS
+    assert tpr >= 2 * wide and tpr * s.npt >= nvec and tpr * rpb <= 1024
+    assert tpr % warp == 0 or (tpr < warp and warp % tpr == 0)
+    assert grid * rpb >= M or grid == 132 * FWD.grid_per_sm
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
 def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
