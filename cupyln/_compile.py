@@ -40,7 +40,7 @@ class Spec(NamedTuple):
     hip: bool = False  # ROCm: no staged (cp.async) or cluster kernels
     hdtype: np.dtype | None = None  # forward: the fused residual add's h (its kernels alone)
     residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
-    peeled: bool = False  # forward: rows' heads and tails peeled off 16-byte vectors (alone)
+    peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -66,9 +66,14 @@ class Spec(NamedTuple):
         if pass_ == "fwd":
             return self._fwd_names()
         a = self._args()
+        acc = CTYPES[ACC_DTYPES[self.dtype]]
+        if self.peeled:  # rows peeled, as the forward's, one block each
+            op, w = _op(self.is_ln), CTYPES[self.wdtype]
+            return {"bwd_peeled": f"norm_bwd_peeled<{CTYPES[self.dtype]}, {w}, {op}, "
+                                  f"{self.npt}, {self.warp}>",
+                    "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
-        acc = CTYPES[ACC_DTYPES[self.dtype]]
         # the fused add's dresidual: kernels of their own, none with tickets or staged clusters
         rows = "norm_bwd_add" if self.residual else "norm_bwd"
         names = {

@@ -135,6 +135,8 @@ class BwdConfig:
     # The partials of rows of at least `reduce_cols_n` elements (a multiple of 4) summed four
     # columns per thread: 1x1048576 bf16's sum took 55 us in 65536 blocks of 32 columns each.
     reduce_cols_n: int = 65536
+    # Rows peeled as the forward's (its `peel`), where a row fits one block.
+    peel: bool = True
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

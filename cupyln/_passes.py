@@ -131,7 +131,7 @@ class HotFwd(_Prepared):
 class HotBwd(_Prepared):
     __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
                  "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
-                 "partial", "parts", "scratch_only", "ldres")
+                 "partial", "parts", "scratch_only", "ldres", "peel")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
                  ldx, lddy, M, N, ldres=None):
@@ -172,7 +172,9 @@ class HotBwd(_Prepared):
         self.consts = (ldx, lddy, M, N, P, own, G)
         self.ldres = ldres  # the fused add's dresidual: its row stride (None: no dresidual)
         self.ext = Extents()
-        v = plan.spec.vec
+        # peeled rows: any element address, x's, dy's and dx's rows alike within 16 bytes
+        self.peel = plan.variant == "bwd_peeled"
+        v = 1 if self.peel else plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * wdtype.itemsize - 1
 
@@ -202,6 +204,8 @@ class HotBwd(_Prepared):
         None)."""
         dyp, xp, gp, mp, rp, drp, dxp, dgp, dbp = ptrs
         if (dyp | xp | dxp | drp) & self.xmask or gp & self.wmask:
+            return False
+        if self.peel and ((xp ^ dyp) & 15 or dxp and (xp ^ dxp) & 15):
             return False
         ldx, lddy, M, N, P, own, G = self.consts
         rsp = 0 if self.rowsums is None else base + self.rowsums
@@ -370,7 +374,14 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
         vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
         if drr is None:
-            plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec)
+            # narrower vectors: rows peeled where x's, dy's and dx's (allocated: 256-byte
+            # aligned) start alike within 16 bytes
+            wide = 16 // x.itemsize
+            dx_at = out[0].data.ptr if out and out[0] is not None else 0
+            peel = (vec < wide and (ldx - N) % wide == 0 and (lddy - N) % wide == 0
+                    and (xr.data.ptr - dx_at) % 16 == 0 and (dyr.data.ptr - dx_at) % 16 == 0)
+            plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,
+                                  False, peel)
         else:
             plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N,
                                   add_vec(x.dtype, vec), True)
@@ -442,7 +453,8 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
         # the arguments as the calls give them (the plans' LRU caches key on them)
         _plan.plan_fwd(dev, config, dtype, wdtype, is_ln, M, N, vec, None,
                        vec < 16 // dtype.itemsize)
-        _plan.plan_bwd(dev, config, dtype, wdtype, is_ln, M, N, vec)
+        _plan.plan_bwd(dev, config, dtype, wdtype, is_ln, M, N, vec, False,
+                       vec < 16 // dtype.itemsize)
         plans += 2
     return plans
 

@@ -9,6 +9,7 @@ Plans are cached per (device, config, signature) in bounded LRU caches.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 from . import _compile, _driver
@@ -148,6 +149,9 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
                     for n in PEEL_NPTS:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
                                      .names("fwd").values())
+                    for n in bwd_npts[:2]:
+                        names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
+                                     .names("bwd").values())
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
                                          ("bwd_long", bc.cluster_tiles)):
@@ -490,12 +494,42 @@ def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
     return {"rowsums": Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)}
 
 
+def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
+    """Rows peeled as the forward's: one row per block, of the backward geometry of their
+    16-byte vectors (at least 2 * VEC threads), on a grid that covers M or is a multiple of the
+    rows' heads' period (so that all rows of a block share their head); None where a row needs
+    more than one block (narrow vectors then)."""
+    cfg, wp = config.bwd, info.warp
+    vec = 16 // dtype.itemsize
+    if not cfg.peel or N < 2 * vec:
+        return None
+    g = bwd_geometry(cfg, N // vec, wp)
+    if not g.fits or g.tpr < 2 * vec:
+        return None
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
+    kerns = _compile.kernels(spec, "bwd", config.source)
+    grid = min(M, info.sms * blocks_per_sm(kerns["bwd_peeled"], g.tpr, 0, info))
+    if grid < M:
+        period = vec // math.gcd(N, vec)
+        grid = max(period, grid // period * period)
+    launch = {"bwd": Launcher(kerns["bwd_peeled"], (grid,), (g.tpr, 1), 0, _BWD_ARGS)}
+    if grid > 1:
+        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
+    return Plan(spec, "bwd_peeled", kerns["bwd_peeled"], (grid, 1), (g.tpr, 1), 0, launch,
+                direct=grid == 1)
+
+
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=False):
+def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=False,
+             peel=False):
     """Backward geometry (``residual``: the fused add's kernels, dresidual added to dx; vec
-    from add_vec). The grid depends only on (device, config, dtypes, M, N, vec), so the
-    deterministic reduction order is the same on every call."""
+    from add_vec; ``peel`` as plan_fwd's, x's, dy's and dx's rows alike). The grid depends only
+    on (device, config, dtypes, M, N, vec), so the deterministic reduction order is the same
+    on every call."""
     info, cfg = device_info(dev_id), config.bwd
+    peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N) if peel else None
+    if peeled is not None:
+        return peeled
     g = bwd_geometry(cfg, N // vec, info.warp)
     csum = None if residual else _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g)
     if csum is not None:

@@ -382,6 +382,98 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
                                       partial);
 }
 
+// The backward of rows peeled as norm_fwd_peeled peels them (x, dy and dx rows start alike
+// within 16 bytes: the host's rule): one row per block at a time, block b taking rows b, b + G,
+// ..., where the host makes G a multiple of the heads' period (VEC / gcd(N, VEC)) or covers M,
+// so that all rows of a block have one head and each thread's dgamma/dbeta sums keep their
+// columns. gamma is read per element (from L1). The block's sums go to its row of partials
+// ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to dgamma/dbeta.
+template <typename T, typename W, bool LN, int NPT, int WARP>
+__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  const int t = threadIdx.x;
+  const C inv_n = cl_inv_count(C(0), N);
+  const int head = (int)(((16 - ((size_t)(x + blockIdx.x * ldx) & 15)) & 15) / sizeof(T));
+  const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
+  // this thread's peeled element: head element t, or tail element t - VEC
+  const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
+  const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
+  const C gamma_e = has_e && gamma ? to_acc(gamma[ec]) : C(1);
+  C acc_g[NPT][VEC], acc_b[NPT][VEC], eg = C(0), eb = C(0);
+#pragma unroll
+  for (int k = 0; k < NPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
+  int phase = 0;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
+    const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
+    Pack<T, VEC> px[NPT], pdy[NPT];
+    load_packs<VEC, NPT>(x + row * ldx + head, 0, mid, true, px);
+    load_packs<VEC, NPT>(dy + row * lddy + head, 0, mid, true, pdy);
+    const C xe = has_e ? to_acc(x[row * ldx + ec]) : C(0);
+    const C dye = has_e ? to_acc(dy[row * lddy + ec]) : C(0);
+    C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
+    C s[2] = {C(0), C(0)};
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      const bool in = col < mid;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        g[k][j] = (C)elem(pdy[k], j);
+        xh[k][j] = in ? ((C)elem(px[k], j) - mu) * rs : C(0);
+        acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
+        acc_b[k][j] += g[k][j];
+        if (gamma && in) g[k][j] *= to_acc(gamma[head + col + j]);
+        s[0] += g[k][j];
+        s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
+      }
+    }
+    const C xhe = has_e ? (xe - mu) * rs : C(0);
+    eg = cl_fma(dye, xhe, eg);
+    eb += dye;
+    const C ge = dye * gamma_e;
+    s[0] += ge;
+    s[1] = cl_fma(ge, xhe, s[1]);
+    row_allreduce<WARP>(s, phase);
+    if (!dx) continue;
+    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), as bwd_rows
+    const C a = rs * (s[1] * inv_n);
+    const C b = LN ? rs * (s[0] * inv_n) : C(0);
+    T* dxr = dx + row * N;
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      if (col >= mid) continue;
+      C o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
+      store_vec<VEC>(dxr + head + col, o);
+    }
+    if (has_e) dxr[ec] = Store<T>::cvt(ge * rs - (xhe * a + b));
+  }
+  // every column once: the middle's by its vectors' threads, the head's and tail's by theirs
+  C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;
+  auto flush = [&](cl_i64 c, C sg, C sb) {
+    if (prow) {
+      if (dgamma) prow[c] = sg;
+      if (dbeta) prow[N + c] = sb;
+    } else {
+      if (dgamma) dgamma[c] = Store<W>::cvt(sg);
+      if (dbeta) dbeta[c] = Store<W>::cvt(sb);
+    }
+  };
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+    if (col >= mid) continue;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) flush(head + col + j, acc_g[k][j], acc_b[k][j]);
+  }
+  if (has_e) flush(ec, eg, eb);
+}
+
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in
 // norm_bwd_reduce's order (the planner's choice where that costs less than a second launch).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST,

@@ -519,20 +519,25 @@ def _padded(a, extra):
     (40, 3583, F16, F16, 8), (40, 3583, F16, F16, 1), (9, 1001, F32, F32, 4)])
 def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
     """Rows on which 16-byte vectors do not fit as they are (odd N, row strides ``extra``
-    elements longer) match the reference with their heads and tails peeled off, and without;
-    the peeled kernel runs exactly where x's and y's rows start alike within 16 bytes, the row
-    is long enough and fits one chunk."""
+    elements longer) match the reference with their heads and tails peeled off, and without,
+    forward and backward (dx, or the parameters' gradients alone, deterministic); the peeled
+    kernels run exactly where x's (dy's) and y's (dx's) rows start alike within 16 bytes and
+    the row is long enough and fits one chunk (the backward: one block)."""
     case = inputs(M, N, dt, wdt)
     layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
-    plans.spy("fwd")
     wide = 16 // dt.itemsize
-    for peel in (True, False):
-        plans.replan(fwd_peel=peel)
-        check_case(op, *case, layout=layout, config=plans.config)
-        alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
-        peeled = [p.variant == "fwd_peeled" for p in plans]
-        assert plans and (all(peeled) if peel and alike and N // wide >= 8 * wide
-                          else not any(peeled) if not (peel and alike) else True), peeled
+    alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
+    for pass_, long in (("fwd", N // wide >= 8 * wide), ("bwd", 64 <= N // wide <= 1024)):
+        plans.spy(pass_)
+        for peel in (True, False):
+            plans.replan(**{f"{pass_}_peel": peel})
+            check_case(op, *case, layout=layout, config=plans.config)
+            check_case(op, *case, layout=layout, config=plans.config, deterministic=True,
+                       need=(False, True, op == "ln"))
+            peeled = [p.variant == f"{pass_}_peeled" for p in plans]
+            assert plans and (all(peeled) if peel and alike and long
+                              else not any(peeled) if not (peel and alike) else True), peeled
+        plans.monkeypatch.undo()
 
 
 def test_peeled_rows_with_y_unlike_x(plans):

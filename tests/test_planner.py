@@ -158,8 +158,11 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         if residual:
             return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N,
                                               add_vec(dtype, vec), True), built
-        if peel:
+        if peel and pass_ == "fwd":
             return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N, vec, None,
+                                              vec * dtype.itemsize < 16), built
+        if peel:
+            return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N, vec, False,
                                               vec * dtype.itemsize < 16), built
         planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec), built
@@ -311,6 +314,38 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     assert tpr >= 2 * wide and tpr * s.npt >= nvec and tpr * rpb <= 1024
     assert tpr % warp == 0 or (tpr < warp and warp % tpr == 0)
     assert grid * rpb >= M or grid == 132 * FWD.grid_per_sm
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
+       st.integers(1, 1 << 14), WARPS, st.booleans())
+@example("float16", 8, 3583, 32, False)
+@example("bfloat16", 37460, 3583, 32, False)
+@example("float32", 4096, 4099, 64, True)
+@example("float16", 7, 1001, 32, False)
+def test_backward_rows_peeled_where_one_block_holds_them(dt, M, N, warp, hip):
+    """The backward of peelable rows takes the peeled kernel (any device) wherever one block of
+    the backward's geometry holds the row's 16-byte vectors in at least 2 * VEC threads
+    (certainly from 2 * warp vectors), one row per block; its grid covers M, or is a multiple of
+    the rows' heads' period (each block's rows share their head); partials summed by the
+    reduction, none on one block."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True)
+    s = plan.spec
+    wide = 16 // s.dtype.itemsize
+    nvec = N // wide
+    peeled = plan.variant == "bwd_peeled"
+    if N % wide == 0 or N < 2 * wide or nvec > BWD.npt * BWD.tpr_max:
+        assert not peeled
+    elif nvec >= 2 * warp:
+        assert peeled
+    if not peeled:
+        return
+    (grid, one), (tpr, rows) = plan.grid, plan.block
+    assert s.peeled and s.vec == wide and one == rows == 1 and tpr >= 2 * wide
+    assert tpr * s.npt >= nvec and tpr <= _plan.bwd_threads(s.npt)
+    period = wide // np.gcd(N, wide)
+    assert grid == M or (grid < M and grid % period == 0)
+    assert plan.direct == (grid == 1) == ("reduce" not in plan.launch)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
