@@ -135,8 +135,12 @@ class BwdConfig:
     # The partials of rows of at least `reduce_cols_n` elements (a multiple of 4) summed four
     # columns per thread: 1x1048576 bf16's sum took 55 us in 65536 blocks of 32 columns each.
     reduce_cols_n: int = 65536
-    # Rows peeled as the forward's (its `peel`), where a row fits one block.
+    # Rows peeled as the forward's (its `peel`), where a row fits one block, one row per block,
+    # and M is at least `peel_rows` rows per resident block: the partials of their grid cost
+    # few rows more than the narrow path's (512x3583 bf16, 2 rows per block: 32.0 against 21.9
+    # us; 4096x777 f64, 15: 45.1 against 47.6; 37460x3583 bf16: 349 against 941).
     peel: bool = True
+    peel_rows: int = 8
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

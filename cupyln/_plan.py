@@ -496,9 +496,9 @@ def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
 
 def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
-    16-byte vectors (at least 2 * VEC threads), on a grid that covers M or is a multiple of the
-    rows' heads' period (so that all rows of a block share their head); None where a row needs
-    more than one block (narrow vectors then)."""
+    16-byte vectors (at least 2 * VEC threads), on a grid that is a multiple of the rows'
+    heads' period (so that all rows of a block share their head); None where a row needs more
+    than one block or M is below ``peel_rows`` rows per resident block (narrow vectors then)."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
@@ -509,6 +509,8 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
     kerns = _compile.kernels(spec, "bwd", config.source)
     grid = min(M, info.sms * blocks_per_sm(kerns["bwd_peeled"], g.tpr, 0, info))
+    if M < cfg.peel_rows * grid:
+        return None
     if grid < M:
         period = vec // math.gcd(N, vec)
         grid = max(period, grid // period * period)
