@@ -149,6 +149,7 @@ class HotBwd(_Prepared):
         # dgamma/dbeta flushed through memory: not where one cluster sums them itself, nor
         # where each block holds all rows of its columns (plan.direct)
         params = (want[1] or want[2]) and plan.variant != "bwd_csum" and not plan.direct
+        partials = partials or plan.variant == "bwd_peeled"  # that kernel has no atomic flush
         self.atomic = params and not partials
         # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
         # where the plan has no reduction kernel; dynamic rows take their tickets from a

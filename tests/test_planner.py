@@ -563,3 +563,16 @@ def test_hip_modules_leave_out_the_staged_and_cluster_kernels():
     assert not any("cln::staged" in n or "cluster" in n or "csum" in n for n in hip)
     # half of the specializations before the configs were values, the fused add's apart
     assert len([n for n in cuda if "norm_fwd_add" not in n]) < 2671 // 2
+
+
+@pytest.mark.parametrize("partials", [False, True])
+def test_peeled_backward_flushes_through_partials(partials):
+    """The peeled backward kernel has no atomic flush: a call that allows atomics (the config's
+    atomic_flush, deterministic=False) still gets its partials and the reduction."""
+    from cupyln import _passes
+
+    plan, _ = _plan_without_gpu("bwd", "float16", 700000, 1001, 32, peel=True)
+    assert plan.variant == "bwd_peeled" and "reduce" in plan.launch
+    hot = _passes.HotBwd(0, plan, (700000, 1001), (1001,), np.dtype("float16"),
+                         (True, True, True), None, partials, False, 1001, 1001, 700000, 1001)
+    assert not hot.atomic and not hot.flushed and hot.partial is not None
