@@ -442,8 +442,9 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
     """A grid of few blocks sums its dgamma/dbeta partials in its last block (one kernel): it
     matches the reference, deterministic or not, with either parameter gradient alone too; and
     on the same grid (rows not spread over more blocks) it gives bitwise what the separate
-    reduction kernel gives (or, on one row of blocks, what each block writes itself). Up to 64 blocks here (the default limit is lower), so that the
-    eight interleaved groups of partial rows take more than one row each."""
+    reduction kernel gives (or, on one row of blocks, what each block writes itself). Up to 64
+    blocks here (the default limit is lower), so that the eight interleaved groups of partial
+    rows take more than one row each."""
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
     got = {}
