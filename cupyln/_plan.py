@@ -119,10 +119,13 @@ def row_kernel_widths(cfg: FwdConfig, warp, npt=1):
     return short + [w * warp for w in range(1, cfg.row_warps + 1)]
 
 
-def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
+def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     """Name expressions of every kernel ``config`` can launch on a device of this warp size,
-    CUDA or (``hip``) ROCm, which has neither cp.async staging nor clusters."""
+    CUDA or (``hip``) ROCm, which has neither cp.async staging nor clusters; ``clusters``
+    (default: CUDA's) False for a CUDA device without them (before sm_90)."""
     fc, bc = config.fwd, config.bwd
+    clusters = not hip if clusters is None else clusters and not hip
+    long_tiles = bc.cluster_tiles if clusters else 1  # the long-row backward's module
     bwd_npts = [n for n in range(bc.npt_min, max(bc.npt, bc.tile_npt, bc.cluster_npt) + 1)
                 if not n & (n - 1)]
     names = set()
@@ -130,7 +133,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
         for ln in (True, False):
             for v in vec_options(t):
                 add = add_vec(t, v) == v  # a width the fused add runs at
-                if v * t.itemsize == 16 and not hip:  # rows split over a cluster
+                if v * t.itemsize == 16 and clusters:  # rows split over a cluster
                     for h in (None, *(h_dtypes(t) if add else ())):
                         names.update(Spec(t, w, ln, v, fc.npt, warp, fc.cluster_tiles,
                                           hdtype=h).names("fwd").values())
@@ -154,10 +157,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False):
                                      .names("bwd").values())
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
-                                         ("bwd_long", bc.cluster_tiles)):
+                                         ("bwd_long", long_tiles)):
                         if pass_ == "bwd_long" and n not in (bc.tile_npt, bc.cluster_npt):
                             continue  # long rows take these widths alone
-                        if hip and tiles > 1 and pass_ == "bwd":
+                        if not clusters and tiles > 1 and pass_ == "bwd":
                             continue  # one cluster alone: clusters only
                         names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip)
                                      .names(pass_).values())

@@ -368,7 +368,7 @@ def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
     _check_parts_geometry(parts, tpr, FWD.npt, s.vec, M, N, warp, FWD.tpr_max, FWD.parts_per_sm)
     assert set(plan.launch) == {"fwd_parts", "fwd"}
     assert plan.launch["fwd"].kern.name == built["fwd_apply"]
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
@@ -392,7 +392,7 @@ def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     expect = long and M <= 132 * BWD.parts_rows and s.vec * s.dtype.itemsize == 16
     assert ("rowsums_merge" in plan.launch) == expect == (rs.kern.name == built.get(
         "rowsums_parts"))
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
     if not expect:
         return
     (rows, parts), (tpr, one) = rs.grid, rs.block
@@ -420,7 +420,7 @@ def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clus
     assert (rs.kern.name == built.get("rowsums_cluster")) == over
     assert rs.block == (BWD.rowsums_tpr, 1)
     assert rs.grid == ((M, BWD.cluster_tiles) if over else (min(M, 132 * 2 * 4),))
-    assert set(built.values()) <= _plan.all_kernel_names(warp)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
@@ -431,8 +431,8 @@ def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clus
 def test_backward_partials_where_and_how_summed(dt, M, N, warp, target):
     """The backward's dgamma/dbeta partials: none on one row of blocks (each block writes its
     columns' sums itself). Those of rows of at least ``reduce_cols_n`` elements, a multiple of
-    4, are summed four columns per thread in blocks of one row of threads, the grid covering 2N columns; all
-    other partials 32 columns per block of eight row groups; on any device."""
+    4, are summed four columns per thread in blocks of one row of threads, the grid covering 2N
+    columns; all other partials 32 columns per block of eight row groups; on any device."""
     hip = target == "hip"
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip)
     # one row of blocks writes dgamma/dbeta itself; the last block or a cluster sums its own
@@ -447,7 +447,7 @@ def test_backward_partials_where_and_how_summed(dt, M, N, warp, target):
     per_block = red.block[0] * 4 if cols else 32
     assert red.block[1] == (1 if cols else 8) and (red.grid[0] - 1) * per_block < 2 * N
     assert red.grid[0] * per_block >= 2 * N
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(1, 1 << 20),
@@ -493,7 +493,7 @@ def test_every_kernel_a_plan_builds_is_in_the_offline_list(dt, M, N, warp, targe
     """The modules the default plans compile hold only kernels that the offline compile tests
     build (all_kernel_names), for CUDA devices with and without clusters and for ROCm."""
     hip = target == "hip"
-    names = _plan.all_kernel_names(warp, hip=hip)
+    names = _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
     for pass_ in ("fwd", "bwd"):
         _, built = _plan_without_gpu(pass_, dt, M, N, warp, target == "sm_90", hip=hip)
         assert set(built.values()) <= names
@@ -545,7 +545,7 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
     hip = target == "hip"
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip,
                                     residual=True)
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
     assert all(n.startswith(("norm_bwd_add", "norm_bwd_rowsums", "norm_bwd_reduce"))
                for n in built.values())
     assert plan.spec.residual and not plan.dynamic and plan.variant != "bwd_csum"
@@ -561,6 +561,10 @@ def test_hip_modules_leave_out_the_staged_and_cluster_kernels():
     cuda, hip = _plan.all_kernel_names(32), _plan.all_kernel_names(32, hip=True)
     assert hip < cuda
     assert not any("cln::staged" in n or "cluster" in n or "csum" in n for n in hip)
+    # CUDA before sm_90: staged rows, no clusters (compiled offline for sm_80 alone)
+    sm80 = _plan.all_kernel_names(32, clusters=False)
+    assert hip < sm80 < cuda and any("cln::staged" in n for n in sm80)
+    assert not any("cluster" in n or "csum" in n or ", 8>" in n for n in sm80)
     # half of the specializations before the configs were values, the fused add's apart
     assert len([n for n in cuda if "norm_fwd_add" not in n]) < 2671 // 2
 
