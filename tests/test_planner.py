@@ -108,6 +108,11 @@ def test_launch_argument_buffer_follows_c_layout(kinds):
         assert struct.unpack_from("@" + _STRUCT[k], packed, o)[0] == i + 1
 
 
+def _dtype(dt):
+    """The dtype named ``dt`` (bfloat16 as ml_dtypes has it)."""
+    return BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
+
+
 class _FakeKernel:
     """What the planner reads of a compiled kernel (its resources), without a GPU, and its
     name expression."""
@@ -132,12 +137,10 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
-    and backward; ``peel``: the forward of rows narrower than 16 bytes, peelable."""
+    and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable."""
     from unittest import mock
 
-    from cupyln._dtypes import BFLOAT16
-
-    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+    dtype = _dtype(dt)
     info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, not hip, clusters and not hip,
                             hip)
     built = {}
@@ -269,7 +272,7 @@ def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
     within its share of ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on
     any device; no other row does."""
     hip = target == "hip"
-    dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
+    dtype = _dtype(dt)
     for hdtype in (None, *h_dtypes(dtype)):
         _check_fwd_parts(dt, M, N, warp, target, hip, hdtype)
 
@@ -286,6 +289,20 @@ def _check_parts_geometry(parts, tpr, npt, vec, M, N, warp, tpr_max, per_sm):
     assert tpr == warp or -(-nvec // (npt * (tpr - warp))) > share
 
 
+def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
+    """The ``pass_`` plan of peelable rows, and its kernels: never peeled where 16-byte vectors
+    fit, below 2 * VEC elements or past ``most`` vectors; peeled where ``sure``. The plan where
+    peeled, else None."""
+    plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
+    wide = 16 // _dtype(dt).itemsize
+    peeled = plan.variant == f"{pass_}_peeled"
+    if N % wide == 0 or N < 2 * wide or N // wide > most:
+        assert not peeled
+    elif sure:
+        assert peeled
+    return (plan, built) if peeled else (None, built)
+
+
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 17), WARPS, st.booleans())
 @example("float16", 8, 3583, 32, False)
@@ -298,17 +315,11 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     (certainly from 8 * VEC vectors; never below 2 * VEC elements): at least 2 * VEC threads
     per row (one per peeled element), the threads' vectors covering the row's middle, the grid
     covering M or at its cap; never rows of 16-byte vectors."""
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, peel=True)
-    s = plan.spec
-    wide = 16 // s.dtype.itemsize
-    nvec = N // wide
-    peeled = plan.variant == "fwd_peeled"
-    if N % wide == 0 or N < 2 * wide or nvec > 8 * FWD.tpr_max:
-        assert not peeled
-    elif nvec >= 8 * wide:
-        assert peeled
-    if not peeled:
+    wide = 16 // _dtype(dt).itemsize
+    plan, built = _peeled_plan("fwd", dt, M, N, warp, hip, 8 * FWD.tpr_max, N // wide >= 8 * wide)
+    if plan is None:
         return
+    s, nvec = plan.spec, N // wide
     (grid,), (tpr, rpb) = plan.grid, plan.block
     assert s.peeled and s.vec == wide and s.npt in _plan.PEEL_NPTS
     assert tpr >= 2 * wide and tpr * s.npt >= nvec and tpr * rpb <= 1024
@@ -329,17 +340,12 @@ def test_backward_rows_peeled_where_one_block_holds_them(dt, M, N, warp, hip):
     (certainly from 2 * warp vectors), one row per block, and M gives each resident block
     ``peel_rows`` rows; its grid is a multiple of the rows' heads' period (each block's rows
     share their head); partials summed by the reduction."""
-    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True)
-    s = plan.spec
-    wide = 16 // s.dtype.itemsize
-    nvec = N // wide
-    peeled = plan.variant == "bwd_peeled"
-    if N % wide == 0 or N < 2 * wide or nvec > BWD.npt * BWD.tpr_max:
-        assert not peeled
-    elif nvec >= 2 * warp and M >= BWD.peel_rows * 132 * 32:  # (at most 32 blocks per SM)
-        assert peeled
-    if not peeled:
+    wide = 16 // _dtype(dt).itemsize
+    sure = N // wide >= 2 * warp and M >= BWD.peel_rows * 132 * 32  # (at most 32 blocks per SM)
+    plan, built = _peeled_plan("bwd", dt, M, N, warp, hip, BWD.npt * BWD.tpr_max, sure)
+    if plan is None:
         return
+    s, nvec = plan.spec, N // wide
     (grid, one), (tpr, rows) = plan.grid, plan.block
     assert M >= BWD.peel_rows * grid
     assert s.peeled and s.vec == wide and one == rows == 1 and tpr >= 2 * wide
@@ -508,7 +514,7 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
     """The fused residual add's forward runs its own kernels (direct rows of one chunk, or
     chunks, or rows split over a cluster), at 16-byte vectors or single elements, with the
     general path's geometry; every kernel it builds is compiled offline."""
-    dtype = BFLOAT16 if dt == "bfloat16" else np.dtype(dt)
+    dtype = _dtype(dt)
     hdtype = h_dtypes(dtype)[-1 if wide_h else 0]
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, not hip, hip=hip, hdtype=hdtype)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
