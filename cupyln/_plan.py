@@ -213,16 +213,18 @@ def blocks_per_sm(kern, threads, smem, info):
     return max(1, min(by_threads, by_regs, by_smem, 32))
 
 
-def staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None):
+def staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None, residual=False):
     """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
     least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
-    and then gamma once per block (the backward, which passes ``wdtype``)."""
+    (``residual``: and dresidual) and then gamma once per block (the backward, which passes
+    ``wdtype``)."""
     pack = vec * dtype.itemsize
     if not info.async_copy or pack < 4:
         return 0
     if wdtype is None:
         return npt * tpr * 2 * pack * rpb
-    return npt * tpr * (4 * pack * rpb + vec * wdtype.itemsize)
+    rows_in = 3 if residual else 2
+    return npt * tpr * (2 * rows_in * pack * rpb + vec * wdtype.itemsize)
 
 
 def stages(mode, rule):
@@ -562,7 +564,7 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
 
     main = "bwd_cluster" if cluster else "bwd"
     grid, smem = grid_of(kerns[main], colsum), colsum
-    stage = staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype)
+    stage = staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype, residual)
     loops = block[0] > info.warp and M > grid[0] * block[1]
     if stage and stages(cfg.stage, loops) and main + "_staged" in kerns:
         main += "_staged"

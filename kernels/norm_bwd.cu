@@ -196,15 +196,16 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
   typedef typename Held<W, VEC>::type G;
-  // Staged rows (STAGE; stage_packs): the next row's x and dy are copied into shared memory
-  // while this one is reduced, in two buffers of [x, dy][NPT][threads] packs; gamma once per
-  // block after them, [NPT][blockDim.x]. The host gives the dynamic shared memory for it
+  // Staged rows (STAGE; stage_packs): the next row's x and dy (ADD: and dres) are copied into
+  // shared memory while this one is reduced, in two buffers of [x, dy(, dres)][NPT][threads]
+  // packs; gamma once per block after them, [NPT][blockDim.x]. The host gives the dynamic shared memory for it
   // (cupyln/_plan.py); a launch with less traps. A compile-time choice: the two paths in one kernel
   // (chosen by the launch's shared memory) made both slower (131072x4096 bf16: 24% slower than
   // staged; ptxas spilled in the loop).
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
   // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
+  constexpr int ROWS_IN = ADD ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
@@ -230,9 +231,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   const int threads = blockDim.x * blockDim.y;
   const int tid = threadIdx.y * blockDim.x + t;
   P* stage = reinterpret_cast<P*>(cl_smem);
-  G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
+  G* gstage = reinterpret_cast<G*>(stage + 2 * ROWS_IN * NPT * threads);
   if constexpr (STAGED) {
-    require_dynamic_smem(4u * NPT * threads * sizeof(P) + NPT * blockDim.x * sizeof(G));
+    require_dynamic_smem(2u * ROWS_IN * NPT * threads * sizeof(P) +
+                         NPT * blockDim.x * sizeof(G));
     if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
   }
   if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
@@ -252,9 +254,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if constexpr (STAGED) {
       const bool ok = row < M;
       const cl_i64 r = ok ? row : 0;
-      P* d = stage + b * 2 * NPT * threads;
+      P* d = stage + b * ROWS_IN * NPT * threads;
       stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
       stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
+      if constexpr (ADD) stage_packs<VEC, NPT>(d + 2 * NPT * threads, dres + r * ldres, c0, N, ok);
       async_commit();
       stats(row, mu, rs);
     }
@@ -290,21 +293,26 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       stats(row, mu, rs);
     }
     C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
+    // ADD: this row's dres, loaded with x and dy so that its latency passes in the reductions
+    // (loaded at the dx store, it held the fused backward at 74-76% of copy)
+    P pdr[ADD ? NPT : 1];
     {
       P px[NPT], pdy[NPT];
       if constexpr (STAGED) {
         async_wait<1>();  // this row's group has landed; the next row's stays in flight
         if (phase == 0) __syncthreads();  // gamma, copied by row 0's threads, for every row
-        const P* src = stage + (phase & 1) * 2 * NPT * threads + tid;
+        const P* src = stage + (phase & 1) * ROWS_IN * NPT * threads + tid;
 #pragma unroll
         for (int k = 0; k < NPT; ++k) {
           px[k] = src[k * threads];
           pdy[k] = src[(NPT + k) * threads];
+          if constexpr (ADD) pdr[k] = src[(2 * NPT + k) * threads];
         }
       } else {
         const cl_i64 r = valid ? row : 0;
         load_packs<VEC, NPT>(x + r * ldx, c0, N, valid, px);
         load_packs<VEC, NPT>(dy + r * lddy, c0, N, valid, pdy);
+        if constexpr (ADD) load_packs<VEC, NPT>(dres + r * ldres, c0, N, valid, pdr);
       }
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
@@ -360,9 +368,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
         if constexpr (ADD) {  // the fused residual add's gradient from the residual stream
-          const Pack<T, VEC> r = *reinterpret_cast<const Pack<T, VEC>*>(dres + row * ldres + col);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
+          for (int j = 0; j < VEC; ++j) o[j] += (C)elem(pdr[k], j);
         }
         store_vec<VEC>(dxr + col, o);
       }
@@ -387,8 +394,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // within 16 bytes: the host's rule): one row per block at a time, block b taking rows b, b + G,
 // ..., where the host makes G a multiple of the heads' period (VEC / gcd(N, VEC)) or covers M,
 // so that all rows of a block have one head and each thread's dgamma/dbeta sums keep their
-// columns. gamma is read per element (from L1). The block's sums go to its row of partials
-// ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to dgamma/dbeta.
+// columns. gamma is held in registers (peeled_params). The block's sums go to its row of
+// partials ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to
+// dgamma/dbeta.
 template <typename T, typename W, bool LN, int NPT, int WARP>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
@@ -401,6 +409,17 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
   const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
   const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
   const C gamma_e = has_e && gamma ? to_acc(gamma[ec]) : C(1);
+  // gamma of this thread's columns, held across the block's rows (they share the head)
+  C gk[NPT][VEC];
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) gk[k][j] = C(1);
+    if (col < mid)
+      peeled_params<VEC>(gamma, col, head, N, (size_t)gamma % (VEC * sizeof(W)) == 0, C(1),
+                         gk[k]);
+  }
   C acc_g[NPT][VEC], acc_b[NPT][VEC], eg = C(0), eb = C(0);
 #pragma unroll
   for (int k = 0; k < NPT; ++k)
@@ -426,7 +445,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
         xh[k][j] = in ? ((C)elem(px[k], j) - mu) * rs : C(0);
         acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
         acc_b[k][j] += g[k][j];
-        if (gamma && in) g[k][j] *= to_acc(gamma[head + col + j]);
+        g[k][j] *= gk[k][j];
         s[0] += g[k][j];
         s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
       }
