@@ -216,14 +216,14 @@ def blocks_per_sm(kern, threads, smem, info):
 def staging_bytes(info, dtype, vec, npt, tpr, rpb, wdtype=None, residual=False):
     """Dynamic shared memory of staged rows (the kernels' STAGED rule: cp.async and packs of at
     least 4 bytes): two buffers of ``npt`` packs per thread of x (the forward), or of x and dy
-    (``residual``: and dresidual) and then gamma once per block (the backward, which passes
-    ``wdtype``)."""
+    (``residual`` at two or more packs per thread: and dresidual, as bwd_rows' DRES_STAGED) and
+    then gamma once per block (the backward, which passes ``wdtype``)."""
     pack = vec * dtype.itemsize
     if not info.async_copy or pack < 4:
         return 0
     if wdtype is None:
         return npt * tpr * 2 * pack * rpb
-    rows_in = 3 if residual else 2
+    rows_in = 3 if residual and npt > 1 else 2
     return npt * tpr * (2 * rows_in * pack * rpb + vec * wdtype.itemsize)
 
 

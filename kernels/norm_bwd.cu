@@ -196,16 +196,23 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
   typedef typename Held<W, VEC>::type G;
-  // Staged rows (STAGE; stage_packs): the next row's x and dy (ADD: and dres) are copied into
-  // shared memory while this one is reduced, in two buffers of [x, dy(, dres)][NPT][threads]
-  // packs; gamma once per block after them, [NPT][blockDim.x]. The host gives the dynamic shared memory for it
-  // (cupyln/_plan.py); a launch with less traps. A compile-time choice: the two paths in one kernel
-  // (chosen by the launch's shared memory) made both slower (131072x4096 bf16: 24% slower than
-  // staged; ptxas spilled in the loop).
+  // Staged rows (STAGE; stage_packs): the next row's x and dy (and dres, DRES_STAGED) are
+  // copied into shared memory while this one is reduced, in two buffers of [x, dy(, dres)][NPT]
+  // [threads] packs; gamma once per block after them, [NPT][blockDim.x]. The host gives the
+  // dynamic shared memory for it (cupyln/_plan.py); a launch with less traps. A compile-time
+  // choice: the two paths in one kernel (chosen by the launch's shared memory) made both slower
+  // (131072x4096 bf16: 24% slower than staged; ptxas spilled in the loop).
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
   // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
-  constexpr int ROWS_IN = ADD ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
+  // ADD's dres: staged with x and dy at two or more vectors per thread (16384x8192 bf16 333 ->
+  // 301 us, 4096x32768 f16 clusters 380 -> 270), loaded with them on direct rows (131072x64
+  // f16 31.4 -> 28.6), and at the dx store on staged rows of one vector per thread (staged
+  // there, 4096x4096 f16 50.4 -> 54.5, RMS 131072x4096 bf16 1093 -> 1147). The host's
+  // staging_bytes agrees.
+  constexpr bool DRES_STAGED = ADD && STAGED && NPT > 1;
+  constexpr bool DRES_EARLY = DRES_STAGED || (ADD && !STAGED);
+  constexpr int ROWS_IN = DRES_STAGED ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
@@ -257,7 +264,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       P* d = stage + b * ROWS_IN * NPT * threads;
       stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
       stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
-      if constexpr (ADD) stage_packs<VEC, NPT>(d + 2 * NPT * threads, dres + r * ldres, c0, N, ok);
+      if constexpr (DRES_STAGED)
+        stage_packs<VEC, NPT>(d + 2 * NPT * threads, dres + r * ldres, c0, N, ok);
       async_commit();
       stats(row, mu, rs);
     }
@@ -293,9 +301,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       stats(row, mu, rs);
     }
     C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
-    // ADD: this row's dres, loaded with x and dy so that its latency passes in the reductions
-    // (loaded at the dx store, it held the fused backward at 74-76% of copy)
-    P pdr[ADD ? NPT : 1];
+    P pdr[DRES_EARLY ? NPT : 1];  // this row's dres (DRES_EARLY)
     {
       P px[NPT], pdy[NPT];
       if constexpr (STAGED) {
@@ -306,7 +312,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
         for (int k = 0; k < NPT; ++k) {
           px[k] = src[k * threads];
           pdy[k] = src[(NPT + k) * threads];
-          if constexpr (ADD) pdr[k] = src[(2 * NPT + k) * threads];
+          if constexpr (DRES_STAGED) pdr[k] = src[(2 * NPT + k) * threads];
         }
       } else {
         const cl_i64 r = valid ? row : 0;
@@ -368,8 +374,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
         if constexpr (ADD) {  // the fused residual add's gradient from the residual stream
+          P r;
+          if constexpr (DRES_EARLY) r = pdr[k];
+          else r = *reinterpret_cast<const P*>(dres + row * ldres + col);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) o[j] += (C)elem(pdr[k], j);
+          for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
         }
         store_vec<VEC>(dxr + col, o);
       }

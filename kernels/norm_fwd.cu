@@ -262,8 +262,8 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
 // tail (after its last) are peeled off, one element per thread of the first 2 * VEC, and the
 // middle streams in 16-byte vectors from that boundary, one chunk in registers (NPT vectors per
 // thread). y's rows start at the same offset within 16 bytes as x's (the host's rule), so they
-// peel alike; gamma and beta, aligned at column 0, are read as shifted packs (peeled_params).
-// blockDim.x >= 2 * VEC, N >= 2 * VEC.
+// peel alike; gamma and beta, aligned at column 0, are read per element (from L1). blockDim.x
+// >= 2 * VEC, N >= 2 * VEC.
 template <typename T, typename W, bool LN, int NPT, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   typedef typename Acc<T>::type C;
@@ -272,7 +272,6 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   const int t = threadIdx.x;
   typename RowVec<T, VEC>::type p[NPT];
-  const bool aligned = ((size_t)gamma | (size_t)beta) % (VEC * sizeof(W)) == 0;
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
@@ -296,22 +295,21 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       rstd_out[row] = (float)rstd;
     }
     // as write_chunk's one path: an absent gamma taken as 1, an absent beta as -0
+    auto norm = [&](C v, cl_i64 c) {
+      const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
+      return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
+    };
     T* yr = y + row * N;
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
       const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
       if (col >= mid) continue;
-      C gk[VEC], bk[VEC], o[VEC];
-      peeled_params<VEC>(gamma, col, head, N, aligned, C(1), gk);
-      peeled_params<VEC>(beta, col, head, N, aligned, C(-0.0), bk);
+      C o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = cl_fma((C)elem(p[k], j) - mu, rstd * gk[j], bk[j]);
+      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
       store_vec<VEC>(yr + head + col, o);
     }
-    if (has_e) {
-      const C scale = rstd * (gamma ? to_acc(gamma[ec]) : C(1));
-      yr[ec] = Store<T>::cvt(cl_fma(ex - mu, scale, beta ? to_acc(beta[ec]) : C(-0.0)));
-    }
+    if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
   }
 }
 

@@ -142,6 +142,8 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
 BWD_VARIANTS = {
     "direct": ({"bwd_stage": "never", "bwd_cluster_sums": False}, 4096, 1024),
     "staged": ({"bwd_stage": "always", "bwd_cluster_sums": False}, 4096, 1024),
+    # two vectors per thread (bfloat16): dresidual staged with x and dy
+    "staged, two vectors": ({"bwd_stage": "always", "bwd_cluster_sums": False}, 600, 8192),
     "atomic": ({"bwd_atomic_flush": True, "bwd_cluster_sums": False}, 2000, 4096),
     "row sums and tiles": ({"bwd_cluster": False}, 64, 40000),
     "cluster tiles": ({}, 64, 40000),

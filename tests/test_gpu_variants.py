@@ -556,3 +556,24 @@ def test_peeled_rows_with_y_unlike_x(plans):
         assert got[0] is y
         assert_close(y, want[0], "y")
     assert [p.variant for p in plans] == ["fwd_peeled", "fwd"], [p.variant for p in plans]
+
+
+@pytest.mark.parametrize("dt,wdt", [(BF16, BF16), (F16, F32), (F32, F32)])
+def test_peeled_backward_gamma_misaligned(plans, dt, wdt):
+    """The peeled backward reads an aligned gamma as shifted packs and a gamma one element past
+    an aligned start per element: the same values, so the same bits of dx and dgamma."""
+    x_h, dy_h, g_h, _ = inputs(600, 3583, dt, wdt)
+    x, dy = cp.asarray(x_h), cp.asarray(dy_h)
+    _, rstd = cupyln.rms_norm_fwd(x, cp.asarray(g_h))
+    plans.replan(bwd_peel_rows=0)
+    plans.spy("bwd")
+    got = []
+    for shift in (0, 1):
+        g = cp.zeros(g_h.size + shift, wdt)[shift:]
+        g[:] = cp.asarray(g_h)
+        got.append(cupyln.rms_norm_bwd(dy, x, g, rstd, deterministic=True,
+                                       config=plans.config))
+    assert [p.variant for p in plans] == ["bwd_peeled"] * 2, [p.variant for p in plans]
+    for a, b in zip(*got, strict=True):
+        cp.testing.assert_array_equal(a, b)
+    assert_close(got[0][0], ref.rms_norm_bwd(dy_h, x_h, g_h, rstd.get())[0], "dx")
