@@ -90,24 +90,17 @@ class Spec(NamedTuple):
             names["reduce_cols"] = f"norm_bwd_reduce_cols<{acc}, {CTYPES[self.wdtype]}>"
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N:
-            # 8x3583 f16 8.7 us against 12.6 for row sums + tiles)
-            # (the fused add's: 16-byte vectors)
-            clusters = self.tiles > 1 and not self.hip
-            if clusters and (self.wide or self.vec == 1):  # few long rows: CL SMs per row
-                names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"
+            # 8x3583 f16 8.7 us against 12.6 for row sums + tiles; fused, 13.4 against
+            # unfused 12.1 before the fused add had them)
+            if self.tiles > 1 and not self.hip and (self.wide or self.vec == 1):
+                names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"  # few rows
+                kern = "norm_bwd_add_cluster" if self.residual else "norm_bwd_cluster"
+                names["bwd_cluster"] = f"{kern}<{a}, cln::direct, {self.tiles}>"
+                if self.stages:
+                    names["bwd_cluster_staged"] = f"{kern}<{a}, cln::staged, {self.tiles}>"
             if self.wide:  # few long rows in parts over the grid
                 names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
                 names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
-            if clusters and self.residual and self.wide:
-                names["bwd_cluster"] = f"norm_bwd_add_cluster<{a}, cln::direct, {self.tiles}>"
-                if self.stages:
-                    staged = f"norm_bwd_add_cluster<{a}, cln::staged, {self.tiles}>"
-                    names["bwd_cluster_staged"] = staged
-            elif clusters and not self.residual and (self.wide or self.vec == 1):
-                names["bwd_cluster"] = f"norm_bwd_cluster<{a}, cln::direct, {self.tiles}>"
-                if self.stages:
-                    staged = f"norm_bwd_cluster<{a}, cln::staged, {self.tiles}>"
-                    names["bwd_cluster_staged"] = staged
         return names
 
     def _fwd_names(self):

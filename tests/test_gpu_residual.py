@@ -147,6 +147,7 @@ BWD_VARIANTS = {
     "atomic": ({"bwd_atomic_flush": True, "bwd_cluster_sums": False}, 2000, 4096),
     "row sums and tiles": ({"bwd_cluster": False}, 64, 40000),
     "cluster tiles": ({}, 64, 40000),
+    "cluster tiles, single elements": ({}, 8, 3583),
     "staged cluster tiles": ({"bwd_stage": "always"}, 300, 40000),
     "one cluster of all rows": ({}, 16, 512),
 }

@@ -573,7 +573,8 @@ def test_peeled_backward_gamma_misaligned(plans, dt, wdt):
         g[:] = cp.asarray(g_h)
         got.append(cupyln.rms_norm_bwd(dy, x, g, rstd, deterministic=True,
                                        config=plans.config))
-    assert [p.variant for p in plans] == ["bwd_peeled"] * 2, [p.variant for p in plans]
+    # (the second call may take the first's prepared pass: the kernel tests gamma's alignment)
+    assert plans and all(p.variant == "bwd_peeled" for p in plans), [p.variant for p in plans]
     for a, b in zip(*got, strict=True):
         cp.testing.assert_array_equal(a, b)
     assert_close(got[0][0], ref.rms_norm_bwd(dy_h, x_h, g_h, rstd.get())[0], "dx")
