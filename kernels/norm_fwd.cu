@@ -272,10 +272,6 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   const int t = threadIdx.x;
   typename RowVec<T, VEC>::type p[NPT];
-  // One vector per thread: gamma and beta loaded with the row (peeled_params), before its
-  // reductions, where after them their latency stood on each row's path.
-  constexpr bool EARLY = NPT == 1;
-  const bool aligned = ((size_t)gamma | (size_t)beta) % (VEC * sizeof(W)) == 0;
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
@@ -288,12 +284,6 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
     const C ex = has_e ? to_acc(xr[ec]) : C(0);
     load_row<VEC, NPT>(xr + head, 0, mid, valid, p);
-    C gk[VEC], bk[VEC];  // EARLY
-    if constexpr (EARLY) {
-      const bool in = valid && t * VEC < mid;
-      peeled_params<VEC>(in ? gamma : nullptr, t * VEC, head, N, aligned, C(1), gk);
-      peeled_params<VEC>(in ? beta : nullptr, t * VEC, head, N, aligned, C(-0.0), bk);
-    }
     C n = C(0), mean = C(0), m2 = C(0);
     chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(p, 0, 0, mid, mid, phase, inv_n,
                                                                n, mean, m2, ex, has_e);
@@ -316,9 +306,7 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       if (col >= mid) continue;
       C o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j)
-        o[j] = EARLY ? cl_fma((C)elem(p[k], j) - mu, rstd * gk[j], bk[j])
-                     : norm((C)elem(p[k], j), head + col + j);
+      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
       store_vec<VEC>(yr + head + col, o);
     }
     if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
