@@ -161,14 +161,9 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         if residual:
             return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N,
                                               add_vec(dtype, vec), True), built
-        if peel and pass_ == "fwd":
-            return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N, vec, None,
-                                              vec * dtype.itemsize < 16), built
-        if peel:
-            return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N, vec, False,
-                                              vec * dtype.itemsize < 16), built
         planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
-        return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec), built
+        peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
+        return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec, peel=peel), built
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
