@@ -32,6 +32,22 @@ __device__ __forceinline__ void cl_trap() {
 #endif
 }
 
+// Counts this block's arrival at *count, after its earlier writes (made visible to the whole
+// GPU first), and waits until n blocks have arrived; the others' writes before their arrival
+// are then visible to this thread (and, after a barrier, to its block: read them volatile).
+__device__ __forceinline__ void publish_and_wait(unsigned int* count, unsigned int n) {
+  __threadfence();
+  atomicAdd(count, 1u);
+  while (*(volatile unsigned int*)count < n) {
+#ifdef CLN_HIP
+    __builtin_amdgcn_s_sleep(1);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    __nanosleep(64);  // fewer polls in L2 while the row's other parts arrive
+#endif
+  }
+  __threadfence();
+}
+
 // 16-bit storage types: plain bits, converted explicitly so that the same source needs neither
 // cuda_fp16.h nor hip_fp16.h (their availability differs between NVRTC and hiprtc versions).
 struct cl_half { unsigned short bits; };
