@@ -491,17 +491,18 @@ __device__ __forceinline__ void fwd_parts_held(CLN_FWD_PARAMS,
     const cl_i64 row = t / G;
     const int part_i = (int)(t - row * G);
     const cl_i64 t0 = part_i * chunk;
-    // the next ticket now, its trip hidden behind the chunk's (the slot's readers have passed
-    // the chunk's barriers before it is written again)
-    if (threadIdx.x == 0) ticket[(it + 1) & 1] = atomicAdd(sync, 1u);
     C mean, m2;
     part_chunk<T, VEC, WARP, LN, H, ADD>(x, ldx, res, ldr, hout, row, t0, N, chunk, it, inv_n,
                                          p, mean, m2);
     C* pr = part + row * G * 2;
+    unsigned int next = 0;
     if (threadIdx.x == 0) {
       pr[2 * part_i] = mean;
       pr[2 * part_i + 1] = m2;
       publish_and_wait(sync + 1 + row, (unsigned int)G);
+      // the next ticket only now, holding no part unpublished (taken before the wait, a part
+      // of this same row would wait for itself); its trip overlaps the merge and the output
+      next = atomicAdd(sync, 1u);
     }
     __syncthreads();
     const C mu = merge_parts<LN, WARP>((const volatile C*)pr, G, chunk, N, inv_n, m2);
@@ -513,6 +514,8 @@ __device__ __forceinline__ void fwd_parts_held(CLN_FWD_PARAMS,
     typename Held<W, VEC>::type hg[NPT], hb[NPT];
     write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
                                         hg, hb);
+    if (threadIdx.x == 0) ticket[(it + 1) & 1] = next;  // its slot's readers passed a barrier
+    __syncthreads();
   }
 }
 
