@@ -79,7 +79,7 @@ class HotFwd(_Prepared):
         # rows in parts: their statistics in scratch after the outputs (one allocation); in one
         # launch (held), then the ticket and arrival counters, zeroed before it
         self.parts = plan.launch.get("fwd_parts")
-        self.held = (M + 1) * 4 if plan.variant == "fwd_held" else 0
+        self.held = (M + 2) * 4 if plan.variant == "fwd_held" else 0
         per_row = (_plan.cdiv(N, plan.block[0] * plan.spec.npt * plan.spec.vec) if self.held
                    else plan.grid[0])
         part_bytes = M * per_row * 2 * ACC_DTYPES[plan.spec.dtype].itemsize

@@ -425,9 +425,7 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=Non
     kerns = _compile.kernels(spec, "fwd", config.source)
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     if cfg.parts_held:
-        held = _plan_fwd_held(cfg, info, kerns, spec, M, N, vec, _kinds(args + "pp", dtype))
-        if held is not None:
-            return held
+        return _plan_fwd_held(cfg, info, kerns, spec, M, N, vec, _kinds(args + "pp", dtype))
     tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", dtype)
     launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
@@ -435,22 +433,14 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=Non
     return Plan(spec, "fwd_parts", kerns["fwd_apply"], grid, block, 0, launch)
 
 
-HELD_TPR = 512  # norm_fwd_parts_held's launch bound
-
-
 def _plan_fwd_held(cfg, info, kerns, spec, M, N, vec, kinds):
-    """Rows in parts in one launch (norm_fwd_parts_held): a grid of the blocks that fit at once,
-    at most one per part, that holds every part of a row at once (its blocks wait for each
-    other); None where it cannot."""
-    tpr_max = min(cfg.tpr_max, cfg.parts_held_tpr, HELD_TPR)
-    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, tpr_max, info, M, N, vec)
+    """Rows in parts in one launch (norm_fwd_parts_held): the two launches' blocks (so their
+    bits), as many as fit at once, at most one per part."""
+    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     kern = kerns["fwd_held"]
-    resident = info.sms * blocks_per_sm(kern, tpr, 0, info)
-    grid = min(M * parts, resident)
-    if parts > grid or M * parts >= 2**31:
-        return None
-    launch = {"fwd": Launcher(kern, (grid,), (tpr, 1), 0, kinds)}
-    return Plan(spec, "fwd_held", kern, (grid,), (tpr, 1), 0, launch)
+    grid = (min(M * parts, info.sms * blocks_per_sm(kern, tpr, 0, info)),)
+    launch = {"fwd": Launcher(kern, grid, (tpr, 1), 0, kinds)}
+    return Plan(spec, "fwd_held", kern, grid, (tpr, 1), 0, launch)
 
 
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):

@@ -32,13 +32,11 @@ __device__ __forceinline__ void cl_trap() {
 #endif
 }
 
-// Counts this block's arrival at *count, after its earlier writes (made visible to the whole
-// GPU first), and waits until n blocks have arrived; the others' writes before their arrival
-// are then visible to this thread (and, after a barrier, to its block: read them volatile).
-__device__ __forceinline__ void publish_and_wait(unsigned int* count, unsigned int n) {
-  __threadfence();
-  atomicAdd(count, 1u);
-  while (*(volatile unsigned int*)count < n) {
+// Waits until *count reaches n (other blocks' arrivals, each after a fence that made its writes
+// visible to the GPU); those writes are then visible to this thread (and, after a barrier, to
+// its block: read them volatile).
+__device__ __forceinline__ void wait_count(const unsigned int* count, unsigned int n) {
+  while (*(const volatile unsigned int*)count < n) {
 #ifdef CLN_HIP
     __builtin_amdgcn_s_sleep(1);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700

@@ -458,14 +458,16 @@ norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part)
   fwd_parts<APPLY, T, W, LN, VEC, WARP, H, true>(CLN_FWD_ARGS, part, res, ldr, hout);
 }
 
-// Long rows split over the grid in one launch, x read once: the resident blocks take parts of
-// rows from a ticket counter (ticket t: row t / G, part t % G, G = parts per row), hold their
-// chunk in registers, publish its statistics (as fwd_parts) and their arrival, wait until the
-// row's G parts have arrived, merge them (merge_parts: the two launches' bits) and write y.
-// A block waits only after publishing every part it took, and tickets go out in order, so a
-// row is always completed by blocks that run, wherever G <= the blocks running at once (the
-// planner's grid). sync: [0] the ticket counter, [1 + row] the row's arrived parts; zero at
-// launch (the host's memset).
+// Long rows split over the grid in one launch, x read from DRAM once: the resident blocks take
+// two kinds of work in turn from two ticket counters over the same parts (ticket t: row t / G,
+// part t % G, G = parts per row). A statistics ticket: load the part, publish its statistics
+// (as fwd_parts) and count its arrival at its row. An output ticket: wait until the row's G
+// parts have arrived, merge them (merge_parts: the two launches' bits), load the part again
+// (from L2: the statistics tickets run only about a grid of parts ahead) and write y.
+// A block waits only for a row whose statistics tickets have all been taken (it takes them
+// itself until they are), and statistics never wait, so every wait ends.
+// sync: [0] statistics tickets, [1] output tickets, [2 + row] the row's arrived parts; zero
+// at launch (the host's memset).
 template <typename T, typename W, bool LN, int VEC, int WARP, typename H = T, bool ADD = false>
 __device__ __forceinline__ void fwd_parts_held(CLN_FWD_PARAMS,
                                                typename Acc<T>::type* __restrict__ part,
@@ -477,59 +479,72 @@ __device__ __forceinline__ void fwd_parts_held(CLN_FWD_PARAMS,
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
   const int G = (int)((N + chunk - 1) / chunk);
   const cl_i64 total = M * G;
-  if (blockDim.y != 1 || blockDim.x % WARP != 0 || total >= (1ll << 32) - gridDim.x ||
-      G > (int)gridDim.x)
+  if (blockDim.y != 1 || blockDim.x % WARP != 0 || total >= (1ll << 32) - 2 * gridDim.x)
     cl_trap();
-  __shared__ unsigned int ticket[2];
-  if (threadIdx.x == 0) ticket[0] = atomicAdd(sync, 1u);
-  __syncthreads();
+  // this round's statistics ticket, the output ticket, whether the output waits for a round
+  __shared__ unsigned int ticket[3];
   const C inv_n = cl_inv_count(C(0), N);
   typename RowVec<H, VEC>::type p[NPT];
-  for (int it = 0;; ++it) {
-    const cl_i64 t = ticket[it & 1];
-    if (t >= total) break;
-    const cl_i64 row = t / G;
-    const int part_i = (int)(t - row * G);
-    const cl_i64 t0 = part_i * chunk;
-    C mean, m2;
-    part_chunk<T, VEC, WARP, LN, H, ADD>(x, ldx, res, ldr, hout, row, t0, N, chunk, it, inv_n,
-                                         p, mean, m2);
-    C* pr = part + row * G * 2;
-    unsigned int next = 0;
+  for (int phase = 0;; ++phase) {
+    // thread 0 takes a statistics ticket each round and an output ticket where it holds none;
+    // it holds it (no output this round) while its row has statistics tickets left
     if (threadIdx.x == 0) {
-      pr[2 * part_i] = mean;
-      pr[2 * part_i + 1] = m2;
-      publish_and_wait(sync + 1 + row, (unsigned int)G);
-      // the next ticket only now, holding no part unpublished (taken before the wait, a part
-      // of this same row would wait for itself); its trip overlaps the merge and the output
-      next = atomicAdd(sync, 1u);
+      ticket[0] = atomicAdd(sync, 1u);
+      if (phase == 0 || !ticket[2]) ticket[1] = atomicAdd(sync + 1, 1u);
+      ticket[2] = *(volatile unsigned int*)sync < (ticket[1] / G + 1) * G;
     }
     __syncthreads();
-    const C mu = merge_parts<LN, WARP>((const volatile C*)pr, G, chunk, N, inv_n, m2);
+    const cl_i64 s = ticket[0], t = ticket[1];
+    const bool holding = ticket[2];
+    const cl_i64 row = t / G;
+    __syncthreads();  // every thread has read them
+    if (s < total) {
+      const cl_i64 srow = s / G;
+      const int si = (int)(s - srow * G);
+      C mean, m2;
+      part_chunk<T, VEC, WARP, LN, H, ADD>(x, ldx, res, ldr, hout, srow, si * chunk, N, chunk,
+                                           phase, inv_n, p, mean, m2);
+      if (threadIdx.x == 0) {
+        C* pr = part + srow * G * 2;
+        pr[2 * si] = mean;
+        pr[2 * si + 1] = m2;
+        __threadfence();
+        atomicAdd(sync + 2 + srow, 1u);
+      }
+    }
+    if (t >= total) break;
+    if (holding) continue;
+    const int i = (int)(t - row * G);
+    if (threadIdx.x == 0) wait_count(sync + 2 + row, (unsigned int)G);
+    __syncthreads();
+    const cl_i64 t0 = i * chunk;
+    if constexpr (ADD)
+      load_row<VEC, NPT>(hout + row * N, t0, N, true, p);  // h as its statistics stored it
+    else
+      load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
+    C m2;
+    const C mu = merge_parts<LN, WARP>((const volatile C*)(part + row * G * 2), G, chunk, N,
+                                       inv_n, m2);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
-    if (part_i == 0 && threadIdx.x == 0) {
+    if (i == 0 && threadIdx.x == 0) {
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
     typename Held<W, VEC>::type hg[NPT], hb[NPT];
     write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
                                         hg, hb);
-    if (threadIdx.x == 0) ticket[(it + 1) & 1] = next;  // its slot's readers passed a barrier
-    __syncthreads();
   }
 }
 
-// At most 512 threads per block (the planner's HELD_TPR), so that the chunk and the merge need
-// not spill into 64 registers.
 template <typename T, typename W, bool LN, int VEC, int WARP>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(1024)
 norm_fwd_parts_held(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part,
                     unsigned int* __restrict__ sync) {
   fwd_parts_held<T, W, LN, VEC, WARP>(CLN_FWD_ARGS, part, sync);
 }
 
 template <typename T, typename W, typename H, bool LN, int VEC, int WARP>
-__global__ void __launch_bounds__(512)
+__global__ void __launch_bounds__(1024)
 norm_fwd_add_parts_held(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part,
                         unsigned int* __restrict__ sync) {
   fwd_parts_held<T, W, LN, VEC, WARP, H, true>(CLN_FWD_ARGS, part, sync, res, ldr, hout);
