@@ -124,7 +124,6 @@ class Spec(NamedTuple):
             if self.wide:  # few long rows in parts over the grid, as the plain forward's
                 names["fwd_parts"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>"
                 names["fwd_apply"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"
-                names["fwd_held"] = f"norm_fwd_add_parts_held<{a}, {self.warp}>"
             return names
         if self.row:  # the row kernel: one chunk, threads fixed
             row = f"norm_fwd_row<{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}, {self.tpr}"
@@ -141,7 +140,6 @@ class Spec(NamedTuple):
         if self.wide:  # few long rows split over the grid, in two launches
             names["fwd_parts"] = f"norm_fwd_parts<{base}, cln::part_stats>"
             names["fwd_apply"] = f"norm_fwd_parts<{base}, cln::part_apply>"
-            names["fwd_held"] = f"norm_fwd_parts_held<{base}>"
         if self.stages:
             names["fwd_staged"] = f"norm_fwd<{a}, cln::staged, cln::params_late, cln::cols_tested>"
         # gamma/beta loaded with the row: 4-byte and wider types only (2-byte ones spill)

@@ -76,10 +76,6 @@ class FwdConfig:
     # cluster holds lost (1x65536 bf16 10.9 against 8.9, 512x262144 282 against 225). 0: off.
     parts_rows: float = 2.0
     parts_per_sm: int = 2
-    # Rows in parts in one launch: resident blocks take each part's statistics and, about a grid
-    # of parts later, its output from two ticket counters, x read again from L2. False: two
-    # launches (x read twice from DRAM).
-    parts_held: bool = True
     # The fused add's forward in parts for at most sms * parts_rows_add rows: 1x1048576 bf16
     # 14.4 against 39.7 us, 64x1048576 193 / 238, but 128x1048576 362 / 351 (rows in chunks).
     parts_rows_add: float = 0.5

@@ -23,7 +23,6 @@ from ._layout import Extents, Layout, fill, flat, ptr, rows, vec_width
 
 _get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
 _is_capturing = cp.cuda.runtime.streamIsCapturing
-_memset = cp.cuda.runtime.memsetAsync
 # Scratch-only allocations of calls captured into CUDA graphs, kept for the rest of the process
 # (an allocation that also holds an output lives as long as the output).
 _CAPTURED = []
@@ -66,8 +65,8 @@ class _Prepared:
 
 
 class HotFwd(_Prepared):
-    __slots__ = ("dev", "launch", "parts", "held", "layout", "given", "consts", "xmask", "wmask",
-                 "hmask", "is_ln", "ext", "add", "ldr", "peel")
+    __slots__ = ("dev", "launch", "parts", "layout", "given", "consts", "xmask", "wmask", "hmask",
+                 "is_ln", "ext", "add", "ldr", "peel")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, ldr=0):
         hdtype = plan.spec.hdtype
@@ -76,16 +75,12 @@ class HotFwd(_Prepared):
         parts += [(x_shape, hdtype)] if self.add else []
         self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
-        # rows in parts: their statistics in scratch after the outputs (one allocation); in one
-        # launch (held), then the ticket and arrival counters, zeroed before it
+        # rows in parts: their statistics in scratch after the outputs (one allocation)
         self.parts = plan.launch.get("fwd_parts")
-        self.held = (M + 2) * 4 if plan.variant == "fwd_held" else 0
-        per_row = (_plan.cdiv(N, plan.block[0] * plan.spec.npt * plan.spec.vec) if self.held
-                   else plan.grid[0])
-        part_bytes = M * per_row * 2 * ACC_DTYPES[plan.spec.dtype].itemsize
-        scratch = [part_bytes] if self.parts else [part_bytes, self.held] if self.held else []
+        part_bytes = M * plan.grid[0] * 2 * ACC_DTYPES[plan.spec.dtype].itemsize
         self.layout = Layout([p for i, p in enumerate(parts)
-                              if self.given is None or not self.given[i]], scratch)
+                              if self.given is None or not self.given[i]],
+                             [part_bytes] if self.parts else [])
         self.consts = (ldx, M, N, eps)
         self.ext = Extents()
         # peeled rows: any element address, x's and y's rows alike within 16 bytes
@@ -112,7 +107,7 @@ class HotFwd(_Prepared):
         stream = _current_stream().ptr
         if not self._launch(stream, ptrs, 0 if mem is None else mem.ptr):
             return None
-        if (self.parts or self.held) and not self.layout.parts and _is_capturing(stream):
+        if self.parts and not self.layout.parts and _is_capturing(stream):
             _CAPTURED.append(mem)  # scratch alone, written by every replay: kept
         return tuple(outs)
 
@@ -129,10 +124,6 @@ class HotFwd(_Prepared):
         if self.parts:  # the parts' statistics, in the scratch after the outputs
             add += (base + self.layout.scratch[0],)
             self.parts(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
-        elif self.held:
-            sync = base + self.layout.scratch[1]
-            _memset(sync, 0, self.held, stream)
-            add += (base + self.layout.scratch[0], sync)
         self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
         return True
 

@@ -422,25 +422,13 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=Non
     if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
             or M > info.sms * rows or "fwd_parts" not in spec.names("fwd")):
         return None
+    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     kerns = _compile.kernels(spec, "fwd", config.source)
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
-    if cfg.parts_held:
-        return _plan_fwd_held(cfg, info, kerns, spec, M, N, vec, _kinds(args + "pp", dtype))
-    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
     grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", dtype)
     launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
               "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
     return Plan(spec, "fwd_parts", kerns["fwd_apply"], grid, block, 0, launch)
-
-
-def _plan_fwd_held(cfg, info, kerns, spec, M, N, vec, kinds):
-    """Rows in parts in one launch (norm_fwd_parts_held): the two launches' blocks (so their
-    bits), as many as fit at once, at most one per part."""
-    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
-    kern = kerns["fwd_held"]
-    grid = (min(M * parts, info.sms * blocks_per_sm(kern, tpr, 0, info)),)
-    launch = {"fwd": Launcher(kern, grid, (tpr, 1), 0, kinds)}
-    return Plan(spec, "fwd_held", kern, grid, (tpr, 1), 0, launch)
 
 
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):

@@ -32,20 +32,6 @@ __device__ __forceinline__ void cl_trap() {
 #endif
 }
 
-// Waits until *count reaches n (other blocks' arrivals, each after a fence that made its writes
-// visible to the GPU); those writes are then visible to this thread (and, after a barrier, to
-// its block: read them volatile).
-__device__ __forceinline__ void wait_count(const unsigned int* count, unsigned int n) {
-  while (*(const volatile unsigned int*)count < n) {
-#ifdef CLN_HIP
-    __builtin_amdgcn_s_sleep(1);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-    __nanosleep(64);  // fewer polls in L2 while the row's other parts arrive
-#endif
-  }
-  __threadfence();
-}
-
 // 16-bit storage types: plain bits, converted explicitly so that the same source needs neither
 // cuda_fp16.h nor hip_fp16.h (their availability differs between NVRTC and hiprtc versions).
 struct cl_half { unsigned short bits; };

@@ -351,59 +351,13 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
                                                                               ldr, hout);
 }
 
-// The statistics of a row from its G parts' (mean, centred sum of squares) at pr (RMSNorm: sums
-// of squares), parts of `chunk` elements: every warp adds them in the same order (so every
-// block gets the same bits). Returns the row's mean (0 for RMSNorm) and sets m2 to its centred
-// sum of squares. PR: a pointer type, volatile where other blocks wrote the parts this launch.
-template <bool LN, int WARP, typename C, typename PR>
-__device__ __forceinline__ C merge_parts(PR pr, int G, cl_i64 chunk, cl_i64 N, C inv_n, C& m2) {
-  auto count = [&](int i) {  // elements of part i
-    const cl_i64 left = N - i * chunk;
-    return (C)(left < chunk ? left : chunk);
-  };
-  const int lane = threadIdx.x % WARP;
-  C s[1] = {C(0)};
-  for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
-  warp_allreduce<WARP>(s);
-  const C mu = LN ? cl_mul(s[0], inv_n) : C(0);
-  if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
-    C q[1] = {C(0)};
-    for (int i = lane; i < G; i += WARP) {
-      const C d = pr[2 * i] - mu;
-      q[0] += pr[2 * i + 1] + count(i) * d * d;
-    }
-    warp_allreduce<WARP>(q);
-    s[0] = q[0];
-  }
-  m2 = s[0];
-  return mu;
-}
-
-// One chunk of a row in parts (NPT = 4 vectors per thread from t0): loaded into p (the fused
-// add: h = x + res, stored to hout), its statistics in `mean`, `m2`.
-template <typename T, int VEC, int WARP, bool LN, typename H, bool ADD, typename C, typename R>
-__device__ __forceinline__ void part_chunk(const T* __restrict__ x, cl_i64 ldx,
-                                           const H* __restrict__ res, cl_i64 ldr,
-                                           H* __restrict__ hout, cl_i64 row, cl_i64 t0, cl_i64 N,
-                                           cl_i64 chunk, int phase, C inv_n, R (&p)[4], C& mean,
-                                           C& m2) {
-  if constexpr (ADD)
-    load_row_add<VEC, 4>(x + row * ldx, res + row * ldr, hout + row * N, t0, N, true, p);
-  else
-    load_row<VEC, 4>(x + row * ldx, t0, N, true, p);
-  C n = C(0);
-  mean = m2 = C(0);
-  chunk_stats<true, LN, WARP, VEC, 4, false, 0, 1>(p, t0, t0, N, chunk, phase, inv_n, n, mean,
-                                                   m2);
-}
-
 // Few long rows split over the grid, in two launches (gridDim = (G parts per row, M), one chunk
 // of blockDim.x * 4 vectors per block): APPLY = false writes each part's statistics (mean and
 // centred sum of squares; RMSNorm's sum of squares) to part[row][G][2]; APPLY = true merges the
-// row's G parts (merge_parts), reads its chunk again (from L2 where the first launch just read
-// it) and writes y. Every SM streams where a row per block or per cluster would leave most
-// idle; any device. ADD: the fused residual add, h = x + res stored by the first launch (rows
-// of N) and read back by the second.
+// row's G parts, every warp of every block in the same order (so the same bits), reads its
+// chunk again (from L2 where the first launch just read it) and writes y. Every SM streams where
+// a row per block or per cluster would leave most idle; any device. ADD: the fused residual
+// add, h = x + res stored by the first launch (rows of N) and read back by the second.
 template <bool APPLY, typename T, typename W, bool LN, int VEC, int WARP, typename H = T,
           bool ADD = false>
 __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part,
@@ -418,24 +372,43 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
     cl_trap();
   const cl_i64 row = blockIdx.y;
   typename RowVec<H, VEC>::type p[NPT];
+  if constexpr (ADD && APPLY) {
+    load_row<VEC, NPT>(hout + row * N, t0, N, true, p);  // h as the first launch stored it
+  } else if constexpr (ADD) {
+    load_row_add<VEC, NPT>(x + row * ldx, res + row * ldr, hout + row * N, t0, N, true, p);
+  } else {
+    load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
+  }
   C* pr = part + row * G * 2;
   const C inv_n = cl_inv_count(C(0), N);
   if constexpr (!APPLY) {
-    C mean, m2;
-    part_chunk<T, VEC, WARP, LN, H, ADD>(x, ldx, res, ldr, hout, row, t0, N, chunk, 0, inv_n,
-                                         p, mean, m2);
+    C n = C(0), mean = C(0), m2 = C(0);
+    chunk_stats<true, LN, WARP, VEC, NPT, false, 0, 1>(p, t0, t0, N, chunk, 0, inv_n, n, mean,
+                                                       m2);
     if (threadIdx.x == 0) {
       pr[2 * blockIdx.x] = mean;
       pr[2 * blockIdx.x + 1] = m2;
     }
   } else {
-    if constexpr (ADD)
-      load_row<VEC, NPT>(hout + row * N, t0, N, true, p);  // h as the first launch stored it
-    else
-      load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
-    C m2;
-    const C mu = merge_parts<LN, WARP>(pr, G, chunk, N, inv_n, m2);
-    const C rstd = cl_rsqrt(m2 * inv_n + eps);
+    auto count = [&](int i) {  // elements of part i
+      const cl_i64 left = N - i * chunk;
+      return (C)(left < chunk ? left : chunk);
+    };
+    const int lane = threadIdx.x % WARP;
+    C s[1] = {C(0)};
+    for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
+    warp_allreduce<WARP>(s);
+    const C mu = LN ? cl_mul(s[0], inv_n) : C(0);
+    if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
+      C q[1] = {C(0)};
+      for (int i = lane; i < G; i += WARP) {
+        const C d = pr[2 * i] - mu;
+        q[0] += pr[2 * i + 1] + count(i) * d * d;
+      }
+      warp_allreduce<WARP>(q);
+      s[0] = q[0];
+    }
+    const C rstd = cl_rsqrt(s[0] * inv_n + eps);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
@@ -456,98 +429,6 @@ template <typename T, typename W, typename H, bool LN, int VEC, int WARP, bool A
 __global__ void __launch_bounds__(1024)
 norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part) {
   fwd_parts<APPLY, T, W, LN, VEC, WARP, H, true>(CLN_FWD_ARGS, part, res, ldr, hout);
-}
-
-// Long rows split over the grid in one launch, x read from DRAM once: the resident blocks take
-// two kinds of work in turn from two ticket counters over the same parts (ticket t: row t / G,
-// part t % G, G = parts per row). A statistics ticket: load the part, publish its statistics
-// (as fwd_parts) and count its arrival at its row. An output ticket: wait until the row's G
-// parts have arrived, merge them (merge_parts: the two launches' bits), load the part again
-// (from L2: the statistics tickets run only about a grid of parts ahead) and write y.
-// A block waits only for a row whose statistics tickets have all been taken (it takes them
-// itself until they are), and statistics never wait, so every wait ends.
-// sync: [0] statistics tickets, [1] output tickets, [2 + row] the row's arrived parts; zero
-// at launch (the host's memset).
-template <typename T, typename W, bool LN, int VEC, int WARP, typename H = T, bool ADD = false>
-__device__ __forceinline__ void fwd_parts_held(CLN_FWD_PARAMS,
-                                               typename Acc<T>::type* __restrict__ part,
-                                               unsigned int* __restrict__ sync,
-                                               const H* __restrict__ res = nullptr,
-                                               cl_i64 ldr = 0, H* __restrict__ hout = nullptr) {
-  typedef typename Acc<T>::type C;
-  constexpr int NPT = 4;
-  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
-  const int G = (int)((N + chunk - 1) / chunk);
-  const cl_i64 total = M * G;
-  if (blockDim.y != 1 || blockDim.x % WARP != 0 || total >= (1ll << 32) - 2 * gridDim.x)
-    cl_trap();
-  // this round's statistics ticket, the output ticket, whether the output waits for a round
-  __shared__ unsigned int ticket[3];
-  const C inv_n = cl_inv_count(C(0), N);
-  typename RowVec<H, VEC>::type p[NPT];
-  for (int phase = 0;; ++phase) {
-    // thread 0 takes a statistics ticket each round and an output ticket where it holds none;
-    // it holds it (no output this round) while its row has statistics tickets left
-    if (threadIdx.x == 0) {
-      ticket[0] = atomicAdd(sync, 1u);
-      if (phase == 0 || !ticket[2]) ticket[1] = atomicAdd(sync + 1, 1u);
-      ticket[2] = *(volatile unsigned int*)sync < (ticket[1] / G + 1) * G;
-    }
-    __syncthreads();
-    const cl_i64 s = ticket[0], t = ticket[1];
-    const bool holding = ticket[2];
-    const cl_i64 row = t / G;
-    __syncthreads();  // every thread has read them
-    if (s < total) {
-      const cl_i64 srow = s / G;
-      const int si = (int)(s - srow * G);
-      C mean, m2;
-      part_chunk<T, VEC, WARP, LN, H, ADD>(x, ldx, res, ldr, hout, srow, si * chunk, N, chunk,
-                                           phase, inv_n, p, mean, m2);
-      if (threadIdx.x == 0) {
-        C* pr = part + srow * G * 2;
-        pr[2 * si] = mean;
-        pr[2 * si + 1] = m2;
-        __threadfence();
-        atomicAdd(sync + 2 + srow, 1u);
-      }
-    }
-    if (t >= total) break;
-    if (holding) continue;
-    const int i = (int)(t - row * G);
-    if (threadIdx.x == 0) wait_count(sync + 2 + row, (unsigned int)G);
-    __syncthreads();
-    const cl_i64 t0 = i * chunk;
-    if constexpr (ADD)
-      load_row<VEC, NPT>(hout + row * N, t0, N, true, p);  // h as its statistics stored it
-    else
-      load_row<VEC, NPT>(x + row * ldx, t0, N, true, p);
-    C m2;
-    const C mu = merge_parts<LN, WARP>((const volatile C*)(part + row * G * 2), G, chunk, N,
-                                       inv_n, m2);
-    const C rstd = cl_rsqrt(m2 * inv_n + eps);
-    if (i == 0 && threadIdx.x == 0) {
-      if (LN) mean_out[row] = (float)mu;
-      rstd_out[row] = (float)rstd;
-    }
-    typename Held<W, VEC>::type hg[NPT], hb[NPT];
-    write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
-                                        hg, hb);
-  }
-}
-
-template <typename T, typename W, bool LN, int VEC, int WARP>
-__global__ void __launch_bounds__(1024)
-norm_fwd_parts_held(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part,
-                    unsigned int* __restrict__ sync) {
-  fwd_parts_held<T, W, LN, VEC, WARP>(CLN_FWD_ARGS, part, sync);
-}
-
-template <typename T, typename W, typename H, bool LN, int VEC, int WARP>
-__global__ void __launch_bounds__(1024)
-norm_fwd_add_parts_held(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part,
-                        unsigned int* __restrict__ sync) {
-  fwd_parts_held<T, W, LN, VEC, WARP, H, true>(CLN_FWD_ARGS, part, sync, res, ldr, hout);
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for

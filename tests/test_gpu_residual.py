@@ -129,12 +129,11 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
     read back by the second; h in float32) match the reference, as without parts; rows of
     single elements take chunks."""
     plans.spy("fwd")
-    for rows, one in ((2.0, True), (2.0, False), (0, False)):
-        plans.replan(fwd_parts_rows_add=rows, fwd_parts_held=one)
+    for rows in (2.0, 0):
+        plans.replan(fwd_parts_rows_add=rows)
         run_fused(op, M, N, dt, wdt, hdt, config=plans.config)
         wide = N % (16 // dt.itemsize) == 0  # parts: 16-byte vectors (single elements: chunks)
-        want = "fwd_held" if one else "fwd_parts"
-        assert plans and all((p.variant == want) == (rows > 0 and wide) for p in plans), \
+        assert plans and all((p.variant == "fwd_parts") == (rows > 0 and wide) for p in plans), \
             [p.variant for p in plans]
 
 
