@@ -565,10 +565,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
   const int split = CL > 1 ? CL : PARTS ? (int)gridDim.y : 1;  // blocks sharing a row
   const cl_i64 first = split > 1 ? blockIdx.y * chunk : 0;
   int phase = 0;
-  for (cl_i64 r = blockIdx.x; r < M; r += gridDim.x, ++phase) {
-    // the last rows first: the column tiles, which start from the first, find the rows read
-    // last still in L2
-    const cl_i64 row = M - 1 - r;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const T* xr = x + row * ldx;
     const T* dyr = dy + row * lddy;
     const C mu = LN ? (C)mean[row] : C(0);

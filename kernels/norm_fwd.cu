@@ -223,9 +223,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
-    for (int i = 0; i < nchunks && valid; ++i) {
-      // chunks read again last first: the row's last ones may still be in L2
-      const int c = CHUNKED ? nchunks - 1 - i : i;
+    for (int c = 0; c < nchunks && valid; ++c) {
       const cl_i64 t0 = c * span + tile;
       if constexpr (CHUNKED && ADD) {  // read again: h, as this thread stored it
         load_row<VEC, NPT>(hout + row * N, t0, N, valid, p);
@@ -367,15 +365,12 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
                                           H* __restrict__ hout = nullptr) {
   typedef typename Acc<T>::type C;
   constexpr int NPT = 4;
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
   const int G = gridDim.x;
-  // the second launch takes the parts in reverse, the first launch's last ones first: those are
-  // still in L2
-  const int part_i = APPLY ? G - 1 - (int)blockIdx.x : (int)blockIdx.x;
-  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)part_i * chunk;
   if (blockDim.y != 1 || blockDim.x % WARP != 0 || (cl_i64)gridDim.y != M ||
       (cl_i64)G * chunk < N || t0 >= N)
     cl_trap();
-  const cl_i64 row = APPLY ? M - 1 - blockIdx.y : blockIdx.y;
+  const cl_i64 row = blockIdx.y;
   typename RowVec<H, VEC>::type p[NPT];
   if constexpr (ADD && APPLY) {
     load_row<VEC, NPT>(hout + row * N, t0, N, true, p);  // h as the first launch stored it
@@ -414,7 +409,7 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
       s[0] = q[0];
     }
     const C rstd = cl_rsqrt(s[0] * inv_n + eps);
-    if (part_i == 0 && threadIdx.x == 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
