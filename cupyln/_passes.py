@@ -322,17 +322,23 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         if hdtype is not None:
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
-        # narrower vectors: rows peeled where x's and y's (allocated: 256-byte aligned) start
-        # alike within 16 bytes
-        wide = 16 // x.itemsize
-        y_at = out[0].data.ptr if out and out[0] is not None else 0
-        peel = (hdtype is None and vec < wide and (ldx - N) % wide == 0
-                and (xr.data.ptr - y_at) % 16 == 0)
+        y = out[0] if out else None
+        peel = hdtype is None and _peelable(x.dtype, vec, N, [(xr, ldx)], y)
         plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
         hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:
             remember(hot)
         return hot(xr, g2, b2, out, r2)
+
+
+def _peelable(dtype, vec, N, inputs, out):
+    """Whether rows of vectors narrower than 16 bytes can be peeled: every input's rows
+    (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as the
+    output's (``out``, or one allocated 256-byte aligned where None), row after row."""
+    wide = 16 // dtype.itemsize
+    at = out.data.ptr if out is not None else 0
+    return vec < wide and all((ld - N) % wide == 0 and (a.data.ptr - at) % 16 == 0
+                              for a, ld in inputs)
 
 
 def _empty_forward(x, lead, is_ln, hdtype, out):
@@ -375,12 +381,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
         vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
         if drr is None:
-            # narrower vectors: rows peeled where x's, dy's and dx's (allocated: 256-byte
-            # aligned) start alike within 16 bytes
-            wide = 16 // x.itemsize
-            dx_at = out[0].data.ptr if out and out[0] is not None else 0
-            peel = (vec < wide and (ldx - N) % wide == 0 and (lddy - N) % wide == 0
-                    and (xr.data.ptr - dx_at) % 16 == 0 and (dyr.data.ptr - dx_at) % 16 == 0)
+            dx = out[0] if out else None
+            peel = _peelable(x.dtype, vec, N, [(xr, ldx), (dyr, lddy)], dx)
             plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,
                                   False, peel)
         else:
