@@ -406,24 +406,6 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const C (&in)[V]) {
   store_pack(p, pack_vec<T>(in));
 }
 
-// The stores of one peeled row (norm_fwd_peeled's y, norm_bwd_peeled's dx) from this thread:
-// its vectors k of the middle, element j of which is value(k, j, column), from column head,
-// and its peeled element at column ec (where has_e), edge().
-template <int VEC, int NPT, typename T, typename F, typename E>
-__device__ __forceinline__ void store_peeled(T* __restrict__ row, int head, cl_i64 mid, F value,
-                                             bool has_e, cl_i64 ec, E edge) {
-#pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const cl_i64 col = ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-    if (col >= mid) continue;
-    decltype(edge()) o[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) o[j] = value(k, j, head + col + j);
-    store_vec<VEC>(row + head + col, o);
-  }
-  if (has_e) row[ec] = Store<T>::cvt(edge());
-}
-
 // The fused residual add: NPT vectors of h = x + residual (in H, the residual stream's type)
 // stored to `h` (valid rows, columns below N) and kept in registers as the row, exactly as
 // stored, so the statistics are those of the h that the backward will read.

@@ -470,10 +470,17 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
     // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), as bwd_rows
     const C a = rs * (s[1] * inv_n);
     const C b = LN ? rs * (s[0] * inv_n) : C(0);
-    store_peeled<VEC, NPT>(
-        dx + row * N, head, mid,
-        [&](int k, int j, cl_i64) { return g[k][j] * rs - (xh[k][j] * a + b); }, has_e, ec,
-        [&] { return ge * rs - (xhe * a + b); });
+    T* dxr = dx + row * N;
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      if (col >= mid) continue;
+      C o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
+      store_vec<VEC>(dxr + head + col, o);
+    }
+    if (has_e) dxr[ec] = Store<T>::cvt(ge * rs - (xhe * a + b));
   }
   // every column once: the middle's by its vectors' threads, the head's and tail's by theirs
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;

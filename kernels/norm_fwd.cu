@@ -299,9 +299,17 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
       return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
     };
-    store_peeled<VEC, NPT>(
-        y + row * N, head, mid, [&](int k, int j, cl_i64 c) { return norm((C)elem(p[k], j), c); },
-        has_e, ec, [&] { return norm(ex, ec); });
+    T* yr = y + row * N;
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      if (col >= mid) continue;
+      C o[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
+      store_vec<VEC>(yr + head + col, o);
+    }
+    if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
   }
 }
 
