@@ -581,3 +581,32 @@ def test_peeled_backward_flushes_through_partials(partials):
     hot = _passes.HotBwd(0, plan, (700000, 1001), (1001,), np.dtype("float16"),
                          (True, True, True), None, partials, False, 1001, 1001, 700000, 1001)
     assert not hot.atomic and not hot.flushed and hot.partial is not None
+
+
+class _Arr(NamedTuple):  # what _peelable reads of an array: its address
+    data: "_Ptr"
+
+
+class _Ptr(NamedTuple):
+    ptr: int
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 5000),
+       st.lists(st.tuples(st.integers(0, 63), st.integers(0, 40)), min_size=1, max_size=2),
+       st.one_of(st.none(), st.integers(0, 63)), st.integers(1, 8))
+def test_rows_peel_where_inputs_and_output_start_alike_row_after_row(dt, N, inputs, out_at,
+                                                                     vec):
+    """Narrower vectors than 16 bytes peel exactly where each input's row r starts at the same
+    offset within 16 bytes as the output's row r (rows of N; allocated: 256-byte aligned), for
+    every r: the rule the peeled kernels' heads rely on."""
+    from cupyln._passes import _peelable
+
+    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+    s, wide = dtype.itemsize, 16 // dtype.itemsize
+    vec = min(vec, wide)
+    arrays = [(_Arr(_Ptr(4096 + off * s)), N + pad) for off, pad in inputs]
+    out = None if out_at is None else _Arr(_Ptr(8192 + out_at * s))
+    at = 0 if out is None else out.data.ptr
+    alike = all((a.data.ptr + r * ld * s - (at + r * N * s)) % 16 == 0
+                for a, ld in arrays for r in range(2 * wide))
+    assert _peelable(dtype, vec, N, arrays, out) == (vec < wide and alike)
