@@ -601,7 +601,7 @@ def test_rows_peel_where_inputs_and_output_start_alike_row_after_row(dt, N, inpu
     every r: the rule the peeled kernels' heads rely on."""
     from cupyln._passes import _peelable
 
-    dtype = np.dtype(BFLOAT16 if dt == "bfloat16" else dt)
+    dtype = _dtype(dt)
     s, wide = dtype.itemsize, 16 // dtype.itemsize
     vec = min(vec, wide)
     arrays = [(_Arr(_Ptr(4096 + off * s)), N + pad) for off, pad in inputs]
