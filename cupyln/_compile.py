@@ -67,10 +67,14 @@ class Spec(NamedTuple):
             return self._fwd_names()
         a = self._args()
         acc = CTYPES[ACC_DTYPES[self.dtype]]
-        if self.peeled:  # rows peeled, as the forward's, one block each
-            op, w = _op(self.is_ln), CTYPES[self.wdtype]
-            return {"bwd_peeled": f"norm_bwd_peeled<{CTYPES[self.dtype]}, {w}, {op}, "
-                                  f"{self.npt}, {self.warp}>",
+        if self.peeled:  # rows peeled as the forward's: one block each, or column tiles
+            w = CTYPES[self.wdtype]
+            peeled = f"norm_bwd_peeled<{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, " \
+                     f"{self.npt}, {self.warp}"
+            if pass_ == "bwd":
+                return {"bwd_peeled": f"{peeled}>", "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
+            return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
+                    "rowsums": f"norm_bwd_rowsums<{a}, 1, cln::whole_rows, cln::peeled>",
                     "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}

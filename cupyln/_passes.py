@@ -149,7 +149,7 @@ class HotBwd(_Prepared):
         # dgamma/dbeta flushed through memory: not where one cluster sums them itself, nor
         # where each block holds all rows of its columns (plan.direct)
         params = (want[1] or want[2]) and plan.variant != "bwd_csum" and not plan.direct
-        partials = partials or plan.variant == "bwd_peeled"  # that kernel has no atomic flush
+        partials = partials or plan.spec.peeled  # those kernels have no atomic flush
         self.atomic = params and not partials
         # the last block, found by a ticket counter, flushes: the atomic sums, or the partials
         # where the plan has no reduction kernel; dynamic rows take their tickets from a
@@ -174,7 +174,7 @@ class HotBwd(_Prepared):
         self.ldres = ldres  # the fused add's dresidual: its row stride (None: no dresidual)
         self.ext = Extents()
         # peeled rows: any element address, x's, dy's and dx's rows alike within 16 bytes
-        self.peel = plan.variant == "bwd_peeled"
+        self.peel = plan.spec.peeled
         v = 1 if self.peel else plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * wdtype.itemsize - 1

@@ -155,6 +155,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                     for n in bwd_npts[:2]:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
                                      .names("bwd").values())
+                    names.update(Spec(t, w, ln, v, bc.tile_npt, warp, hip=hip, peeled=True)
+                                 .names("bwd_long").values())
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
                                          ("bwd_long", long_tiles)):
@@ -501,28 +503,36 @@ def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
 
 def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
-    16-byte vectors (at least 2 * VEC threads), on a grid that is a multiple of the rows'
-    heads' period (so that all rows of a block share their head); None where a row needs more
-    than one block or M is below ``peel_rows`` rows per resident block (narrow vectors then)."""
+    16-byte vectors (at least 2 * VEC threads), where M gives each resident block
+    ``peel_rows`` rows; rows longer than one block on column tiles after their row sums, where
+    they are more than ``sms * parts_rows`` (fewer: narrow vectors, whose row sums go in parts
+    over the grid). None elsewhere (narrow vectors then)."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
-    if not g.fits or g.tpr < 2 * vec:
+    if not g.fits:
+        if M <= info.sms * cfg.parts_rows:
+            return None
+        g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
+    if g.tpr < 2 * vec:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
-    kerns = _compile.kernels(spec, "bwd", config.source)
-    grid = min(M, info.sms * blocks_per_sm(kerns["bwd_peeled"], g.tpr, 0, info))
-    if M < cfg.peel_rows * grid:
+    main = "bwd_peeled" if g.fits else "bwd_peeled_tiles"
+    kerns = _compile.kernels(spec, "bwd" if g.fits else "bwd_long", config.source)
+    tiles = 1 if g.fits else cdiv(N // vec, g.tpr * g.npt)
+    grid = min(M, info.sms * blocks_per_sm(kerns[main], g.tpr, 0, info) // tiles)
+    if g.fits and M < cfg.peel_rows * grid:
         return None
-    if grid < M:
+    if grid < M:  # every block's rows share one head: its sums keep their columns
         period = vec // math.gcd(N, vec)
         grid = max(period, grid // period * period)
-    launch = {"bwd": Launcher(kerns["bwd_peeled"], (grid,), (g.tpr, 1), 0, _BWD_ARGS)}
+    launch = {} if g.fits else _rowsums_launchers(info, cfg, kerns, M, N, spec)
+    launch["bwd"] = Launcher(kerns[main], (grid, tiles), (g.tpr, 1), 0, _BWD_ARGS)
     if grid > 1:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    return Plan(spec, "bwd_peeled", kerns["bwd_peeled"], (grid, 1), (g.tpr, 1), 0, launch,
+    return Plan(spec, main, kerns[main], (grid, tiles), (g.tpr, 1), 0, launch,
                 direct=grid == 1)
 
 

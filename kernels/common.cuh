@@ -20,7 +20,9 @@ constexpr bool last_block_sums = true, partials = false;  // who sums dgamma/dbe
 constexpr bool tickets = true;                           // rows handed out by a counter
 constexpr bool chunks = true, one_chunk = false;        // a row read in chunks (twice)
 constexpr bool part_apply = true, part_stats = false;   // the two launches of rows in parts
-constexpr bool in_parts = true;                          // a backward row's sums in parts
+constexpr bool in_parts = true, whole_rows = false;     // a backward row's sums in parts
+constexpr bool peeled = true;                           // rows' heads and tails peeled off
+constexpr bool col_tiles = true;                        // long rows on column tiles
 }  // namespace cln
 
 // Stops the kernel with an error: for host/kernel mismatches that would give wrong results.

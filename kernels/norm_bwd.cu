@@ -405,8 +405,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // so that all rows of a block have one head and each thread's dgamma/dbeta sums keep their
 // columns. gamma is held in registers (peeled_params). The block's sums go to its row of
 // partials ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to
-// dgamma/dbeta.
-template <typename T, typename W, bool LN, int NPT, int WARP>
+// dgamma/dbeta. TILES: rows longer than one block, on gridDim.y column tiles of the middle
+// (blockDim.x * NPT vectors each), whose row sums norm_bwd_rowsums (peeled) has computed; tile 0
+// also takes the head and tail.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T);
@@ -414,15 +416,17 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
   const C inv_n = cl_inv_count(C(0), N);
   const int head = (int)(((16 - ((size_t)(x + blockIdx.x * ldx) & 15)) & 15) / sizeof(T));
   const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
+  const cl_i64 c0 = TILES ? (cl_i64)blockIdx.y * blockDim.x * NPT * VEC : 0;  // in the middle
   // this thread's peeled element: head element t, or tail element t - VEC
   const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
-  const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
+  bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
+  if constexpr (TILES) has_e = has_e && blockIdx.y == 0;  // tile 0's
   const C gamma_e = has_e && gamma ? to_acc(gamma[ec]) : C(1);
   // gamma of this thread's columns, held across the block's rows (they share the head)
   C gk[NPT][VEC];
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
-    const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) gk[k][j] = C(1);
     if (col < mid)
@@ -438,15 +442,15 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
     Pack<T, VEC> px[NPT], pdy[NPT];
-    load_packs<VEC, NPT>(x + row * ldx + head, 0, mid, true, px);
-    load_packs<VEC, NPT>(dy + row * lddy + head, 0, mid, true, pdy);
+    load_packs<VEC, NPT>(x + row * ldx + head, c0, mid, true, px);
+    load_packs<VEC, NPT>(dy + row * lddy + head, c0, mid, true, pdy);
     const C xe = has_e ? to_acc(x[row * ldx + ec]) : C(0);
     const C dye = has_e ? to_acc(dy[row * lddy + ec]) : C(0);
     C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
     C s[2] = {C(0), C(0)};
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
-      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
       const bool in = col < mid;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
@@ -455,17 +459,24 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
         acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
         acc_b[k][j] += g[k][j];
         g[k][j] *= gk[k][j];
-        s[0] += g[k][j];
-        s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
+        if constexpr (!TILES) {
+          s[0] += g[k][j];
+          s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
+        }
       }
     }
     const C xhe = has_e ? (xe - mu) * rs : C(0);
     eg = cl_fma(dye, xhe, eg);
     eb += dye;
     const C ge = dye * gamma_e;
-    s[0] += ge;
-    s[1] = cl_fma(ge, xhe, s[1]);
-    row_allreduce<WARP>(s, phase);
+    if constexpr (TILES) {  // the row's sums, from norm_bwd_rowsums
+      s[0] = rowsums[2 * row];
+      s[1] = rowsums[2 * row + 1];
+    } else {
+      s[0] += ge;
+      s[1] = cl_fma(ge, xhe, s[1]);
+      row_allreduce<WARP>(s, phase);
+    }
     if (!dx) continue;
     // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), as bwd_rows
     const C a = rs * (s[1] * inv_n);
@@ -473,7 +484,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
     T* dxr = dx + row * N;
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
-      const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+      const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
       if (col >= mid) continue;
       C o[VEC];
 #pragma unroll
@@ -495,7 +506,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
   };
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
-    const cl_i64 col = ((cl_i64)k * blockDim.x + t) * VEC;
+    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + t) * VEC;
     if (col >= mid) continue;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) flush(head + col + j, acc_g[k][j], acc_b[k][j]);
@@ -550,8 +561,11 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 // r + CL, ..., their sums added through the cluster, so that few rows still keep CL SMs each
 // streaming. PARTS (few rows, any device): block (row, p) reads chunks p, p + gridDim.y, ... and
 // writes its sums to rowsums[row][p] (gridDim.y parts per row), which norm_bwd_rowsums_merge adds.
+// PEEL (one row per block): rows peeled as norm_bwd_peeled's tiles take them, the middle in
+// 16-byte vectors (VEC) from each row's head, the head and tail one element per thread of the
+// first 2 * VEC.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1,
-          bool PARTS = false>
+          bool PARTS = false, bool PEEL = false>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
                  const W* __restrict__ gamma, const float* __restrict__ mean,
@@ -559,6 +573,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
   static_assert(CL == 1 || !PARTS, "a row over a cluster or in parts");
+  static_assert(!PEEL || (CL == 1 && !PARTS && VEC * sizeof(T) == 16), "peeled: a row a block");
   constexpr int SLOTS = cluster_slots<CL, WARP, 1024>();
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, SLOTS, 2, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
@@ -571,15 +586,21 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     const C mu = LN ? (C)mean[row] : C(0);
     const C rs = (C)rstd[row];
     C s[2] = {C(0), C(0)};
-    for (cl_i64 c0 = first; c0 < N; c0 += split * chunk) {
+    // peeled: the middle's `end` elements from column `head` (else the whole row)
+    const int head = PEEL ? (int)(((16 - ((size_t)xr & 15)) & 15) / sizeof(T)) : 0;
+    const cl_i64 end = PEEL ? (N - head) / VEC * VEC : N;
+    for (cl_i64 c0 = first; c0 < end; c0 += split * chunk) {
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
         const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
-        if (col >= N) continue;
+        if (col >= end) continue;
         C xv[VEC], dv[VEC], g[VEC];
-        load_vec<VEC>(xr + col, xv);
-        load_vec<VEC>(dyr + col, dv);
-        if (gamma) {
+        load_vec<VEC>(xr + head + col, xv);
+        load_vec<VEC>(dyr + head + col, dv);
+        if constexpr (PEEL) {
+          peeled_params<VEC>(gamma, col, head, N, (size_t)gamma % (VEC * sizeof(W)) == 0, C(1),
+                             g);
+        } else if (gamma) {
           load_vec<VEC>(gamma + col, g);
         } else {
 #pragma unroll
@@ -591,6 +612,15 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
           s[0] += gj;
           s[1] += gj * ((xv[j] - mu) * rs);
         }
+      }
+    }
+    if constexpr (PEEL) {  // the head's and tail's elements
+      const int t = threadIdx.x;
+      const cl_i64 ec = t < VEC ? t : head + end + (t - VEC);
+      if (t < VEC ? t < head : t < 2 * VEC && ec < N) {
+        const C gj = (gamma ? to_acc(gamma[ec]) : C(1)) * to_acc(dyr[ec]);
+        s[0] += gj;
+        s[1] += gj * ((to_acc(xr[ec]) - mu) * rs);
       }
     }
     if constexpr (CL > 1) cluster_allreduce<CL, SLOTS, WARP>(s, phase);

@@ -349,6 +349,38 @@ def test_backward_rows_peeled_where_one_block_holds_them(dt, M, N, warp, hip):
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 20), WARPS, st.booleans())
+@example("bfloat16", 2670, 50257, 32, False)
+@example("float32", 67, 20001, 64, True)
+@example("float16", 66, 50257, 32, False)
+@example("float64", 1 << 16, 16385, 32, False)
+def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
+    """Peelable rows longer than one block of the backward take column tiles of their 16-byte
+    vectors after peeled row sums (any device) wherever they are more than ``sms * parts_rows``
+    (fewer take narrow vectors, whose row sums go in parts): tiles of ``tile_tpr`` threads x
+    ``tile_npt`` vectors covering the middle, at least 2 * VEC threads in tile 0 (the head and
+    tail), a grid of rows covering M or a multiple of the heads' period, partials summed by the
+    reduction where that grid has more than one row of blocks; the row sums one row per block."""
+    wide = 16 // _dtype(dt).itemsize
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True)
+    long = N % wide and N // wide > BWD.npt * BWD.tpr_max
+    tiled = plan.variant == "bwd_peeled_tiles"
+    assert tiled == bool(long and M > 132 * BWD.parts_rows), plan.variant
+    if not tiled:
+        return
+    s, nvec = plan.spec, N // wide
+    (grid, tiles), (tpr, rows) = plan.grid, plan.block
+    assert s.peeled and s.vec == wide and s.npt == BWD.tile_npt and rows == 1
+    assert tpr == BWD.tile_tpr >= 2 * wide and (tiles - 1) * tpr * s.npt < nvec <= tiles * tpr * s.npt
+    assert grid == M or (grid < M and grid % (wide // np.gcd(N, wide)) == 0)
+    assert ("reduce" in plan.launch) == (grid > 1) == (not plan.direct)
+    sums = plan.launch["rowsums"]
+    assert sums.block == (BWD.rowsums_tpr, 1) and sums.grid[0] <= M and "rowsums_merge" not in \
+        plan.launch
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+
+
 def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, target == "sm_90", hip=hip,
                                     hdtype=hdtype)
