@@ -73,13 +73,9 @@ class Spec(NamedTuple):
                      f"{self.npt}, {self.warp}"
             if pass_ == "bwd":
                 return {"bwd_peeled": f"{peeled}>", "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
-            names = {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
-                     "rowsums": f"norm_bwd_rowsums<{a}, 1, cln::whole_rows, cln::peeled>",
-                     "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
-            if self.tiles > 1 and not self.hip:  # the tiles of a cluster add their row sums
-                names["bwd_peeled_cluster"] = f"norm_bwd_peeled_cluster<{peeled[16:]}, " \
-                                              f"{self.tiles}>"
-            return names
+            return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
+                    "rowsums": f"norm_bwd_rowsums<{a}, 1, cln::whole_rows, cln::peeled>",
+                    "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
         # the fused add's dresidual: kernels of their own, none with tickets or staged clusters

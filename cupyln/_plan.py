@@ -155,9 +155,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                     for n in bwd_npts[:2]:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
                                      .names("bwd").values())
-                    for n, tiles in ((bc.tile_npt, 1), (bc.cluster_npt, long_tiles)):
-                        names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip, peeled=True)
-                                     .names("bwd_long").values())
+                    names.update(Spec(t, w, ln, v, bc.tile_npt, warp, hip=hip, peeled=True)
+                                 .names("bwd_long").values())
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
                                          ("bwd_long", long_tiles)):
@@ -505,19 +504,17 @@ def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
 def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
-    ``peel_rows`` rows; rows longer than one block in a cluster of column tiles where the
-    device has them and the row fits, else on column tiles after their row sums where they
-    are more than ``sms * parts_rows`` (fewer: narrow vectors, whose row sums go in parts over
-    the grid). None elsewhere (narrow vectors then)."""
+    ``peel_rows`` rows; rows longer than one block on column tiles after their row sums, where
+    they are more than ``sms * parts_rows`` (fewer: narrow vectors, whose row sums go in parts
+    over the grid). None elsewhere (narrow vectors then)."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
     if not g.fits:
-        cluster = _plan_bwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N)
-        if cluster is not None or M <= info.sms * cfg.parts_rows:
-            return cluster
+        if M <= info.sms * cfg.parts_rows:
+            return None
         g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
     if g.tpr < 2 * vec:
         return None
@@ -528,47 +525,15 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     grid = min(M, info.sms * blocks_per_sm(kerns[main], g.tpr, 0, info) // tiles)
     if g.fits and M < cfg.peel_rows * grid:
         return None
-    grid = _peeled_grid(grid, M, N, vec)
+    if grid < M:  # every block's rows share one head: its sums keep their columns
+        period = vec // math.gcd(N, vec)
+        grid = max(period, grid // period * period)
     launch = {} if g.fits else _rowsums_launchers(info, cfg, kerns, M, N, spec)
     launch["bwd"] = Launcher(kerns[main], (grid, tiles), (g.tpr, 1), 0, _BWD_ARGS)
     if grid > 1:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     return Plan(spec, main, kerns[main], (grid, tiles), (g.tpr, 1), 0, launch,
                 direct=grid == 1)
-
-
-def _peeled_grid(grid, M, N, vec):
-    """Rows of blocks of peeled rows: ``grid`` where it covers M, else a multiple of the rows'
-    heads' period, so that every block's rows share one head (its sums keep their columns)."""
-    if grid >= M:
-        return M
-    period = vec // math.gcd(N, vec)
-    return max(period, grid // period * period)
-
-
-def _plan_bwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N):
-    """Peeled rows longer than one block in a cluster of ``cluster_tiles`` column tiles
-    (sm_90) that add their row sums through distributed shared memory, as the cluster backward
-    of aligned rows: x and dy read once, no row-sums pass. None where the device has no clusters,
-    the row does not fit in them or the driver cannot place one."""
-    cfg = config.bwd
-    vec = 16 // dtype.itemsize
-    tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
-    if not (info.clusters and cfg.cluster) or tpr > bwd_threads(cfg.cluster_npt):
-        return None
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
-                peeled=True)
-    kerns = _compile.kernels(spec, "bwd_long", config.source)
-    kern, shape = kerns["bwd_peeled_cluster"], (1, cfg.cluster_tiles)
-    fit = _driver.max_active_clusters(kern, shape, (tpr, 1), 0)
-    if fit == 0:
-        return None
-    grid = (_peeled_grid(fit, M, N, vec), cfg.cluster_tiles)
-    launch = {"bwd": Launcher(kern, grid, (tpr, 1), 0, _BWD_ARGS)}
-    if grid[0] > 1:
-        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    return Plan(spec, "bwd_peeled_cluster", kern, grid, (tpr, 1), 0, launch,
-                direct=grid[0] == 1)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

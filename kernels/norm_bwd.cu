@@ -406,17 +406,12 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // columns. gamma is held in registers (peeled_params). The block's sums go to its row of
 // partials ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to
 // dgamma/dbeta. TILES: rows longer than one block, on gridDim.y column tiles of the middle
-// (blockDim.x * NPT vectors each), whose row sums norm_bwd_rowsums (peeled) has computed, or
-// (CL > 1, sm_90) the CL tiles of a cluster add through distributed shared memory (x and dy read
-// once); tile 0 also takes the head and tail.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES, int CL>
-__device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
+// (blockDim.x * NPT vectors each), whose row sums norm_bwd_rowsums (peeled) has computed; tile 0
+// also takes the head and tail.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false>
+__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T);
-  static_assert(CL == 1 || TILES, "a cluster's blocks are column tiles");
-  constexpr int CSLOTS = cluster_slots<CL, WARP, bwd_max_threads(NPT)>();
-  if constexpr (CL > 1) cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
-  constexpr bool SUMS = !TILES || CL > 1;  // the row's sums here, not from norm_bwd_rowsums
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
   const int head = (int)(((16 - ((size_t)(x + blockIdx.x * ldx) & 15)) & 15) / sizeof(T));
@@ -464,7 +459,7 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
         acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
         acc_b[k][j] += g[k][j];
         g[k][j] *= gk[k][j];
-        if constexpr (SUMS) {
+        if constexpr (!TILES) {
           s[0] += g[k][j];
           s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
         }
@@ -474,14 +469,13 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
     eg = cl_fma(dye, xhe, eg);
     eb += dye;
     const C ge = dye * gamma_e;
-    if constexpr (!SUMS) {  // the row's sums, from norm_bwd_rowsums
+    if constexpr (TILES) {  // the row's sums, from norm_bwd_rowsums
       s[0] = rowsums[2 * row];
       s[1] = rowsums[2 * row + 1];
     } else {
       s[0] += ge;
       s[1] = cl_fma(ge, xhe, s[1]);
-      if constexpr (CL > 1) cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's tiles
-      else row_allreduce<WARP>(s, phase);
+      row_allreduce<WARP>(s, phase);
     }
     if (!dx) continue;
     // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), as bwd_rows
@@ -499,8 +493,6 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
     }
     if (has_e) dxr[ec] = Store<T>::cvt(ge * rs - (xhe * a + b));
   }
-  // no block of a cluster leaves while its last row's sums may be on their way to another
-  if constexpr (CL > 1) cluster_sync();
   // every column once: the middle's by its vectors' threads, the head's and tail's by theirs
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;
   auto flush = [&](cl_i64 c, C sg, C sb) {
@@ -520,17 +512,6 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
     for (int j = 0; j < VEC; ++j) flush(head + col + j, acc_g[k][j], acc_b[k][j]);
   }
   if (has_e) flush(ec, eg, eb);
-}
-
-template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false>
-__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
-  bwd_peeled_rows<T, W, LN, NPT, WARP, TILES, 1>(CLN_BWD_ARGS);
-}
-
-template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
-__global__ void __launch_bounds__(bwd_max_threads(NPT))
-CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_peeled_cluster(CLN_BWD_PARAMS) {
-  bwd_peeled_rows<T, W, LN, NPT, WARP, true, CL>(CLN_BWD_ARGS);
 }
 
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in

@@ -525,27 +525,22 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
     elements longer) match the reference with their heads and tails peeled off, and without,
     forward and backward (dx, or the parameters' gradients alone, deterministic); the peeled
     kernels run exactly where x's (dy's) and y's (dx's) rows start alike within 16 bytes and
-    the row is long enough and fits one chunk (the backward: one block; longer rows in a
-    cluster of column tiles on sm_90, and without clusters on column tiles for more rows than
-    the row sums in parts take)."""
+    the row is long enough and fits one chunk (the backward: one block, or column tiles for
+    more rows than the row sums in parts take)."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt)
     layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
     wide = 16 // dt.itemsize
     alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
-    info, nvec = _plan.device_info(cp.cuda.Device().id), N // wide
-    tiles = M > info.sms * cupyln.BwdConfig().parts_rows
-    runs = [(True, True), (False, True)] + [(True, False)] * (nvec > 1024 and info.clusters)
-    for pass_ in ("fwd", "bwd"):
+    sms = _plan.device_info(cp.cuda.Device().id).sms
+    tiles = N // wide > 1024 and M > sms * cupyln.BwdConfig().parts_rows
+    for pass_, long in (("fwd", N // wide >= 8 * wide),
+                        ("bwd", 64 <= N // wide <= 1024 or tiles)):
         plans.spy(pass_)
-        for peel, cluster in runs if pass_ == "bwd" else runs[:2]:
-            long = (nvec >= 8 * wide if pass_ == "fwd" else 64 <= nvec <= 1024
-                    or (nvec > 1024 and (tiles or (cluster and info.clusters))))
-            # the backward's kernel on few rows too (the planner's rule: CPU-tested); its long
-            # rows without clusters too
-            plans.replan(**{f"{pass_}_peel": peel}, **({"bwd_peel_rows": 0} if peel else {}),
-                         **({} if cluster else {"bwd_cluster": False}))
+        for peel in (True, False):
+            # the backward's kernel on few rows too (the planner's rule: CPU-tested)
+            plans.replan(**{f"{pass_}_peel": peel}, **({"bwd_peel_rows": 0} if peel else {}))
             check_case(op, *case, layout=layout, config=plans.config)
             check_case(op, *case, layout=layout, config=plans.config, deterministic=True,
                        need=(False, True, op == "ln"))

@@ -355,42 +355,29 @@ def test_backward_rows_peeled_where_one_block_holds_them(dt, M, N, warp, hip):
 @example("float32", 67, 20001, 64, True)
 @example("float16", 66, 50257, 32, False)
 @example("float64", 1 << 16, 16385, 32, False)
-@example("bfloat16", 300, 100001, 32, False)
-@example("float16", 1, 50257, 32, False)
 def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
     """Peelable rows longer than one block of the backward take column tiles of their 16-byte
-    vectors: on sm_90 (not ROCm) a cluster of ``cluster_tiles`` of them (``cluster_npt`` vectors
-    per thread, whole warps, at most the launch bound) wherever the row fits, any M; else,
-    after peeled row sums (one row per block), tiles of ``tile_tpr`` threads x ``tile_npt``
-    vectors wherever the rows are more than ``sms * parts_rows`` (fewer take narrow vectors,
-    whose row sums go in parts). Either covers the middle with at least 2 * VEC threads in tile
-    0 (the head and tail), on a grid of rows covering M or a multiple of the heads' period;
-    partials summed by the reduction where that grid has more than one row of blocks."""
+    vectors after peeled row sums (any device) wherever they are more than ``sms * parts_rows``
+    (fewer take narrow vectors, whose row sums go in parts): tiles of ``tile_tpr`` threads x
+    ``tile_npt`` vectors covering the middle, at least 2 * VEC threads in tile 0 (the head and
+    tail), a grid of rows covering M or a multiple of the heads' period, partials summed by the
+    reduction where that grid has more than one row of blocks; the row sums one row per block."""
     wide = 16 // _dtype(dt).itemsize
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True)
-    s, nvec = plan.spec, N // wide
-    long = N % wide and nvec > BWD.npt * BWD.tpr_max
-    in_cluster = not hip and nvec <= BWD.cluster_tiles * BWD.cluster_npt * _plan.bwd_threads(2)
-    want = ("bwd_peeled_cluster" if long and in_cluster else
-            "bwd_peeled_tiles" if long and M > 132 * BWD.parts_rows else None)
-    assert (plan.variant if plan.variant.startswith("bwd_peeled_") else None) == want
-    if want is None:
+    long = N % wide and N // wide > BWD.npt * BWD.tpr_max
+    tiled = plan.variant == "bwd_peeled_tiles"
+    assert tiled == bool(long and M > 132 * BWD.parts_rows), plan.variant
+    if not tiled:
         return
+    s, nvec = plan.spec, N // wide
     (grid, tiles), (tpr, rows) = plan.grid, plan.block
-    npt, ntiles = ((BWD.cluster_npt, BWD.cluster_tiles) if want == "bwd_peeled_cluster"
-                   else (BWD.tile_npt, -(-nvec // (BWD.tile_tpr * BWD.tile_npt))))
-    assert s.peeled and s.vec == wide and s.npt == npt and rows == 1 and tiles == ntiles
-    assert tpr >= 2 * wide and nvec <= tpr * npt * tiles
-    if want == "bwd_peeled_cluster":  # the fewest whole warps
-        assert tpr % warp == 0 and tpr <= _plan.bwd_threads(npt) and "rowsums" not in plan.launch
-        assert (tpr - warp) * npt * tiles < nvec
-    else:  # the fewest tiles
-        assert tpr == BWD.tile_tpr and tpr * npt * (tiles - 1) < nvec
-        assert "rowsums_merge" not in plan.launch
-        sums = plan.launch["rowsums"]
-        assert sums.block == (BWD.rowsums_tpr, 1) and sums.grid[0] <= M
+    assert s.peeled and s.vec == wide and s.npt == BWD.tile_npt and rows == 1
+    assert tpr == BWD.tile_tpr >= 2 * wide and (tiles - 1) * tpr * s.npt < nvec <= tiles * tpr * s.npt
     assert grid == M or (grid < M and grid % (wide // np.gcd(N, wide)) == 0)
     assert ("reduce" in plan.launch) == (grid > 1) == (not plan.direct)
+    sums = plan.launch["rowsums"]
+    assert sums.block == (BWD.rowsums_tpr, 1) and sums.grid[0] <= M and "rowsums_merge" not in \
+        plan.launch
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
