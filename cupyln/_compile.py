@@ -60,11 +60,17 @@ class Spec(NamedTuple):
         return not self.hip and self.wide
 
     def names(self, pass_):
-        """The name expression of each kernel of one pass: 'fwd', 'bwd' (rows within a block;
-        with ``tiles`` > 1 the kernel of a grid of one cluster alone) or 'bwd_long' (longer
-        rows). Template arguments are the named constants of kernels/common.cuh (cln::)."""
+        """The name expression of each kernel of one pass: 'fwd', 'fwd_long' (peeled rows in
+        parts over the grid), 'bwd' (rows within a block; with ``tiles`` > 1 the kernel of a
+        grid of one cluster alone) or 'bwd_long' (longer rows). Template arguments are the
+        named constants of kernels/common.cuh (cln::)."""
         if pass_ == "fwd":
             return self._fwd_names()
+        if pass_ == "fwd_long":  # peeled rows longer than one block, in parts over the grid
+            base = f"{CTYPES[self.dtype]}, {CTYPES[self.wdtype]}, {_op(self.is_ln)}, " \
+                   f"{self.vec}, {self.warp}"
+            return {"fwd_parts": f"norm_fwd_parts<{base}, cln::part_stats, cln::peeled>",
+                    "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>"}
         a = self._args()
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         if self.peeled:  # rows peeled as the forward's: one block each, or column tiles

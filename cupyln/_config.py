@@ -84,6 +84,9 @@ class FwdConfig:
     # head and tail peeled off, the middle in 16-byte vectors, where x's and y's rows start
     # alike within 16 bytes; else narrower vectors over the whole row.
     peel: bool = True
+    # Peeled rows longer than one chunk of `npt` vectors in parts over the grid (as
+    # `parts_rows`' rows, for any M below 2^16); else one chunk of 8 vectors per thread.
+    peel_parts: bool = True
 
     __post_init__ = _check_stage
 

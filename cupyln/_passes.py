@@ -84,7 +84,7 @@ class HotFwd(_Prepared):
         self.consts = (ldx, M, N, eps)
         self.ext = Extents()
         # peeled rows: any element address, x's and y's rows alike within 16 bytes
-        self.peel = plan.variant == "fwd_peeled"
+        self.peel = plan.spec.peeled
         v = 1 if self.peel else plan.spec.vec
         self.xmask = v * plan.spec.dtype.itemsize - 1
         self.wmask = v * plan.spec.wdtype.itemsize - 1

@@ -152,6 +152,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                     for n in PEEL_NPTS:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
                                      .names("fwd").values())
+                    names.update(Spec(t, w, ln, v, fc.npt, warp, hip=hip, peeled=True)
+                                 .names("fwd_long").values())
                     for n in bwd_npts[:2]:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
                                      .names("bwd").values())
@@ -301,13 +303,23 @@ PEEL_NPTS = (1, 4, 8)  # the vectors per thread norm_fwd_peeled is built for (2:
 
 def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     """Rows whose heads and tails are peeled off 16-byte vectors: the general geometry of their
-    16-byte vectors (rows longer than one chunk at 8 vectors per thread), in one chunk of at
-    least 2 * VEC threads (one per peeled element); None elsewhere (narrow vectors then)."""
+    16-byte vectors, in one chunk of at least 2 * VEC threads (one per peeled element); rows
+    longer than one chunk in parts over the grid (``peel_parts``, fewer than 2^16 rows), else
+    at 8 vectors per thread; None elsewhere (narrow vectors then)."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
         return None
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
+    if not g.fits and cfg.peel_parts and M < 2**16:
+        spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True)
+        tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M,
+                                    N // vec * vec, vec)
+        kerns = _compile.kernels(spec, "fwd_long", config.source)
+        grid, block, kinds = (parts, M), (tpr, 1), _kinds(_FWD_ARGS + "p", dtype)
+        launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
+                  "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
+        return Plan(spec, "fwd_peeled_parts", kerns["fwd_apply"], grid, block, 0, launch)
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp,
                    2 * info.sms)

@@ -351,22 +351,106 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
                                                                               ldr, hout);
 }
 
+// One part of a peeled row (fwd_parts' PEEL; xr, yr and pr: the row's x, y and parts): the
+// statistics of part blockIdx.x, as one chunk's, of its vectors (from column head + t0 of the
+// middle) and, in part 0, of the head's and tail's elements; or (APPLY) the row's statistics
+// from its parts and y of the part's elements, gamma and beta read per element.
+template <bool APPLY, bool LN, int WARP, int VEC, int NPT, typename T, typename W, typename C>
+__device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
+                                             const W* __restrict__ gamma,
+                                             const W* __restrict__ beta, T* __restrict__ yr,
+                                             C* __restrict__ pr, cl_i64 N, C eps, cl_i64 row,
+                                             float* __restrict__ mean_out,
+                                             float* __restrict__ rstd_out) {
+  const int t = threadIdx.x, G = gridDim.x;
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
+  const int head = (int)(((16 - ((size_t)xr & 15)) & 15) / sizeof(T));
+  const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
+  // elements of part i: its vectors', and part 0's the head's and tail's
+  auto count = [&](int i) {
+    const cl_i64 left = mid - i * chunk;
+    return (C)((left < 0 ? 0 : left < chunk ? left : chunk) + (i == 0 ? N - mid : 0));
+  };
+  const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
+  const bool has_e = blockIdx.x == 0 && (t < VEC ? t < head : t < 2 * VEC && ec < N);
+  const C ex = has_e ? to_acc(xr[ec]) : C(0);
+  typename RowVec<T, VEC>::type p[NPT];
+  load_row<VEC, NPT>(xr + head, t0, mid, true, p);
+  if constexpr (!APPLY) {
+    const C cnt = count(blockIdx.x);
+    C n = C(0), mean = C(0), m2 = C(0);
+    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(
+        p, t0, t0, mid, chunk, 0, cnt > C(0) ? C(1) / cnt : C(0), n, mean, m2, ex, has_e);
+    if (t == 0) {
+      pr[2 * blockIdx.x] = mean;
+      pr[2 * blockIdx.x + 1] = m2;
+    }
+    return;
+  }
+  const int lane = t % WARP;
+  const C inv_n = cl_inv_count(C(0), N);
+  C s[1] = {C(0)};
+  for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
+  warp_allreduce<WARP>(s);
+  const C mu = LN ? cl_mul(s[0], inv_n) : C(0);
+  if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
+    C q[1] = {C(0)};
+    for (int i = lane; i < G; i += WARP) {
+      const C d = pr[2 * i] - mu;
+      q[0] += pr[2 * i + 1] + count(i) * d * d;
+    }
+    warp_allreduce<WARP>(q);
+    s[0] = q[0];
+  }
+  const C rstd = cl_rsqrt(s[0] * inv_n + eps);
+  if (blockIdx.x == 0 && t == 0) {
+    if (LN) mean_out[row] = (float)mu;
+    rstd_out[row] = (float)rstd;
+  }
+  auto norm = [&](C v, cl_i64 c) {  // as norm_fwd_peeled's
+    const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
+    return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
+  };
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = t0 + ((cl_i64)k * blockDim.x + t) * VEC;
+    if (col >= mid) continue;
+    C o[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
+    store_vec<VEC>(yr + head + col, o);
+  }
+  if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
+}
+
 // Few long rows split over the grid, in two launches (gridDim = (G parts per row, M), one chunk
 // of blockDim.x * 4 vectors per block): APPLY = false writes each part's statistics (mean and
 // centred sum of squares; RMSNorm's sum of squares) to part[row][G][2]; APPLY = true merges the
 // row's G parts, every warp of every block in the same order (so the same bits), reads its
 // chunk again (from L2 where the first launch just read it) and writes y. Every SM streams where
 // a row per block or per cluster would leave most idle; any device. ADD: the fused residual
-// add, h = x + res stored by the first launch (rows of N) and read back by the second.
+// add, h = x + res stored by the first launch (rows of N) and read back by the second. PEEL:
+// rows peeled as norm_fwd_peeled's, the parts over the middle's 16-byte vectors (a part may have
+// none), part 0's first 2 * VEC threads also taking the head and tail, one element each.
 template <bool APPLY, typename T, typename W, bool LN, int VEC, int WARP, typename H = T,
-          bool ADD = false>
+          bool ADD = false, bool PEEL = false>
 __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part,
                                           const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                           H* __restrict__ hout = nullptr) {
   typedef typename Acc<T>::type C;
   constexpr int NPT = 4;
+  static_assert(!PEEL || (!ADD && VEC * sizeof(T) == 16), "peeled: the plain forward's rows");
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
   const int G = gridDim.x;
+  if constexpr (PEEL) {  // the parts cover the middle's vectors; part 0 the peeled elements
+    if (blockDim.y != 1 || blockDim.x % WARP != 0 || (cl_i64)gridDim.y != M ||
+        (cl_i64)G * chunk < N / VEC * VEC || blockDim.x < 2 * VEC)
+      cl_trap();
+    const cl_i64 row = blockIdx.y;
+    peeled_parts<APPLY, LN, WARP, VEC, NPT>(x + row * ldx, gamma, beta, y + row * N,
+                                            part + row * G * 2, N, eps, row, mean_out, rstd_out);
+    return;
+  }
   if (blockDim.y != 1 || blockDim.x % WARP != 0 || (cl_i64)gridDim.y != M ||
       (cl_i64)G * chunk < N || t0 >= N)
     cl_trap();
@@ -419,10 +503,10 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
   }
 }
 
-template <typename T, typename W, bool LN, int VEC, int WARP, bool APPLY>
+template <typename T, typename W, bool LN, int VEC, int WARP, bool APPLY, bool PEEL = false>
 __global__ void __launch_bounds__(1024)
 norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
-  fwd_parts<APPLY, T, W, LN, VEC, WARP>(CLN_FWD_ARGS, part);
+  fwd_parts<APPLY, T, W, LN, VEC, WARP, T, false, PEEL>(CLN_FWD_ARGS, part);
 }
 
 template <typename T, typename W, typename H, bool LN, int VEC, int WARP, bool APPLY>
