@@ -257,6 +257,30 @@ __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
   fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(CLN_FWD_ARGS);
 }
 
+// y of a peeled row's vectors held in p (from column head + c0 of the middle's `mid` elements)
+// and, where has_e, of its element ex at column ec; gamma and beta read per element (as
+// write_chunk's one path: an absent gamma taken as 1, an absent beta as -0).
+template <int VEC, int NPT, typename R, typename T, typename W, typename C>
+__device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i64 mid, int head,
+                                             C ex, cl_i64 ec, bool has_e, C mu, C rstd,
+                                             const W* __restrict__ gamma,
+                                             const W* __restrict__ beta, T* __restrict__ yr) {
+  auto norm = [&](C v, cl_i64 c) {
+    const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
+    return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
+  };
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = c0 + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    if (col >= mid) continue;
+    C o[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
+    store_vec<VEC>(yr + head + col, o);
+  }
+  if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
+}
+
 // Rows on which 16-byte vectors do not fit as they are (odd N, or a row stride that is not a
 // multiple of the vector): each row's head (the elements before its first 16-byte boundary) and
 // tail (after its last) are peeled off, one element per thread of the first 2 * VEC, and the
@@ -294,7 +318,8 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
-    // as write_chunk's one path: an absent gamma taken as 1, an absent beta as -0
+    // as write_chunk's one path: an absent gamma taken as 1, an absent beta as -0 (written
+    // out here: through write_peeled ptxas allocates this kernel's registers otherwise)
     auto norm = [&](C v, cl_i64 c) {
       const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
       return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
@@ -351,6 +376,34 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
                                                                               ldr, hout);
 }
 
+// The statistics of row `row` from its G parts' (mean, centred sum of squares; RMSNorm's sum
+// of squares) in pr, count(i) elements in part i: every warp adds them in the same order (the
+// same bits in every block); block 0 stores them.
+template <bool LN, int WARP, typename C, typename F>
+__device__ __forceinline__ void merge_parts(const C* __restrict__ pr, int G, F count, C inv_n,
+                                            C eps, cl_i64 row, float* __restrict__ mean_out,
+                                            float* __restrict__ rstd_out, C& mu, C& rstd) {
+  const int lane = threadIdx.x % WARP;
+  C s[1] = {C(0)};
+  for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
+  warp_allreduce<WARP>(s);
+  mu = LN ? cl_mul(s[0], inv_n) : C(0);
+  if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
+    C q[1] = {C(0)};
+    for (int i = lane; i < G; i += WARP) {
+      const C d = pr[2 * i] - mu;
+      q[0] += pr[2 * i + 1] + count(i) * d * d;
+    }
+    warp_allreduce<WARP>(q);
+    s[0] = q[0];
+  }
+  rstd = cl_rsqrt(s[0] * inv_n + eps);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (LN) mean_out[row] = (float)mu;
+    rstd_out[row] = (float)rstd;
+  }
+}
+
 // One part of a peeled row (fwd_parts' PEEL; xr, yr and pr: the row's x, y and parts): the
 // statistics of part blockIdx.x, as one chunk's, of its vectors (from column head + t0 of the
 // middle) and, in part 0, of the head's and tail's elements; or (APPLY) the row's statistics
@@ -387,40 +440,10 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
     }
     return;
   }
-  const int lane = t % WARP;
-  const C inv_n = cl_inv_count(C(0), N);
-  C s[1] = {C(0)};
-  for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
-  warp_allreduce<WARP>(s);
-  const C mu = LN ? cl_mul(s[0], inv_n) : C(0);
-  if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
-    C q[1] = {C(0)};
-    for (int i = lane; i < G; i += WARP) {
-      const C d = pr[2 * i] - mu;
-      q[0] += pr[2 * i + 1] + count(i) * d * d;
-    }
-    warp_allreduce<WARP>(q);
-    s[0] = q[0];
-  }
-  const C rstd = cl_rsqrt(s[0] * inv_n + eps);
-  if (blockIdx.x == 0 && t == 0) {
-    if (LN) mean_out[row] = (float)mu;
-    rstd_out[row] = (float)rstd;
-  }
-  auto norm = [&](C v, cl_i64 c) {  // as norm_fwd_peeled's
-    const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
-    return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
-  };
-#pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const cl_i64 col = t0 + ((cl_i64)k * blockDim.x + t) * VEC;
-    if (col >= mid) continue;
-    C o[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
-    store_vec<VEC>(yr + head + col, o);
-  }
-  if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
+  C mu, rstd;
+  merge_parts<LN, WARP>(pr, G, count, cl_inv_count(C(0), N), eps, row, mean_out, rstd_out, mu,
+                        rstd);
+  write_peeled<VEC, NPT>(p, t0, mid, head, ex, ec, has_e, mu, rstd, gamma, beta, yr);
 }
 
 // Few long rows split over the grid, in two launches (gridDim = (G parts per row, M), one chunk
@@ -478,25 +501,8 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
       const cl_i64 left = N - i * chunk;
       return (C)(left < chunk ? left : chunk);
     };
-    const int lane = threadIdx.x % WARP;
-    C s[1] = {C(0)};
-    for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
-    warp_allreduce<WARP>(s);
-    const C mu = LN ? cl_mul(s[0], inv_n) : C(0);
-    if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
-      C q[1] = {C(0)};
-      for (int i = lane; i < G; i += WARP) {
-        const C d = pr[2 * i] - mu;
-        q[0] += pr[2 * i + 1] + count(i) * d * d;
-      }
-      warp_allreduce<WARP>(q);
-      s[0] = q[0];
-    }
-    const C rstd = cl_rsqrt(s[0] * inv_n + eps);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      if (LN) mean_out[row] = (float)mu;
-      rstd_out[row] = (float)rstd;
-    }
+    C mu, rstd;
+    merge_parts<LN, WARP>(pr, G, count, inv_n, eps, row, mean_out, rstd_out, mu, rstd);
     typename Held<W, VEC>::type hg[NPT], hb[NPT];
     write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
                                         hg, hb);
