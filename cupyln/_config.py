@@ -84,9 +84,11 @@ class FwdConfig:
     # head and tail peeled off, the middle in 16-byte vectors, where x's and y's rows start
     # alike within 16 bytes; else narrower vectors over the whole row.
     peel: bool = True
-    # Peeled rows longer than one chunk of `npt` vectors in parts over the grid (as
-    # `parts_rows`' rows, for any M below 2^16); else one chunk of 8 vectors per thread.
-    peel_parts: bool = True
+    # Peeled rows longer than one chunk of `npt` vectors, at most sms * peel_parts_rows of them,
+    # in parts over the grid (as `parts_rows`' rows): 300x50257 f16 60.6 against 105.3 us in
+    # one block of 8 vectors per thread, 1x50257 bf16 11.6 / 19.4; more rows keep the block,
+    # whose waves fill the GPU (1000x20001 f32 74.1 / 106.7, LN 2670x50257 bf16 380 / 413).
+    peel_parts_rows: float = 4.0
 
     __post_init__ = _check_stage
 

@@ -304,14 +304,14 @@ PEEL_NPTS = (1, 4, 8)  # the vectors per thread norm_fwd_peeled is built for (2:
 def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     """Rows whose heads and tails are peeled off 16-byte vectors: the general geometry of their
     16-byte vectors, in one chunk of at least 2 * VEC threads (one per peeled element); rows
-    longer than one chunk in parts over the grid (``peel_parts``, fewer than 2^16 rows), else
-    at 8 vectors per thread; None elsewhere (narrow vectors then)."""
+    longer than one chunk in parts over the grid where they are at most ``sms *
+    peel_parts_rows``, else at 8 vectors per thread; None elsewhere (narrow vectors then)."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
         return None
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
-    if not g.fits and cfg.peel_parts and M < 2**16:
+    if not g.fits and M <= min(info.sms * cfg.peel_parts_rows, 2**16 - 1):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True)
         tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M,
                                     N // vec * vec, vec)

@@ -519,7 +519,7 @@ def _padded(a, extra):
     (64, 17, F16, F16, 0), (3, 33, F32, F32, 0), (70, 4100, BF16, BF16, 0),
     (40, 3583, F16, F16, 8), (40, 3583, F16, F16, 1), (9, 1001, F32, F32, 4),
     (1, 3583, BF16, F32, 0), (100, 20001, F32, F32, 0), (67, 50257, F16, F32, 8),
-    (80, 16001, F64, F64, 0)])
+    (80, 16001, F64, F64, 0), (600, 9001, F16, F32, 0)])
 def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
     """Rows on which 16-byte vectors do not fit as they are (odd N, row strides ``extra``
     elements longer) match the reference with their heads and tails peeled off, and without,

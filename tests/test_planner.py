@@ -305,24 +305,27 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
 @example("float32", 4096, 4099, 64, True)
 @example("float16", 37460, 3583, 32, False)
 @example("bfloat16", 1, 50257, 64, True)
-@example("float32", 1 << 16, 20001, 32, False)
+@example("float32", 1000, 20001, 32, False)
+@example("float16", 300, 50257, 32, False)
 def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     """Rows on which 16-byte vectors do not fit, given as peelable, take the peeled kernels (on
     any device) wherever one chunk of 16-byte vectors, at most 8 per thread, holds the row
     (certainly from 8 * VEC vectors; never below 2 * VEC elements): at least 2 * VEC threads
     per row (one per peeled element), the threads' vectors covering the row's middle, the grid
     covering M or at its cap; never rows of 16-byte vectors. Rows longer than one chunk of
-    ``npt`` vectors go in parts over the grid where M < 2^16, whose blocks of whole warps
-    cover the row's vectors, one row of parts per row."""
+    ``npt`` vectors go in parts over the grid where they are at most ``sms *
+    peel_parts_rows``, whose blocks of whole warps cover the row's vectors, one row of parts
+    per row."""
     wide = 16 // _dtype(dt).itemsize
-    most = 8 * FWD.tpr_max if M >= 2**16 else N  # (rows in parts: any length)
+    in_parts = M <= 132 * FWD.peel_parts_rows
+    most = N if in_parts else 8 * FWD.tpr_max  # (rows in parts: any length)
     plan, built = _peeled_plan("fwd", dt, M, N, warp, hip, most, N // wide >= 8 * wide)
     if plan is None:
         return
     s, nvec = plan.spec, N // wide
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
     one_chunk = nvec <= FWD.npt * FWD.tpr_max
-    assert (plan.variant == "fwd_peeled_parts") == (not one_chunk and M < 2**16), plan.variant
+    assert (plan.variant == "fwd_peeled_parts") == (not one_chunk and in_parts), plan.variant
     if plan.variant == "fwd_peeled_parts":
         (parts, rows), (tpr, one) = plan.grid, plan.block
         assert rows == M and one == 1 and tpr % warp == 0 and 2 * wide <= tpr <= FWD.tpr_max
