@@ -15,6 +15,8 @@ from gpu_cases import (
     check_case,
     inputs,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cupyln
 from cupyln import reference as ref
@@ -548,6 +550,26 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
             assert plans and (all(peeled) if peel and alike and long
                               else not any(peeled) if not (peel and alike) else True), peeled
         plans.monkeypatch.undo()
+
+
+@st.composite
+def _long_rows(draw):
+    """Rows longer than one block of the backward, odd or not, few or many (at most 2^22
+    elements in all), row strides longer by 0, 1 or 8 elements."""
+    n = draw(st.integers(2049, 70001))
+    m = draw(st.integers(1, min(700, (1 << 22) // n)))
+    return m, n, draw(st.sampled_from(PAIRS)), draw(st.sampled_from([0, 1, 8]))
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@settings(max_examples=max(1, settings().max_examples // 4))
+@given(_long_rows(), st.booleans(), st.integers(0, 1000))
+def test_fuzz_peeled_long_rows(op, rows, det, seed):
+    """Long rows of any length against the reference: peeled in parts or in one block
+    (forward), on column tiles (backward), or narrow vectors, as the planner picks."""
+    M, N, (dt, wdt), extra = rows
+    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    check_case(op, *inputs(M, N, dt, wdt, seed=seed), layout=layout, deterministic=det)
 
 
 def test_peeled_rows_with_y_unlike_x(plans):
