@@ -527,8 +527,8 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
     elements longer) match the reference with their heads and tails peeled off, and without,
     forward and backward (dx, or the parameters' gradients alone, deterministic); the peeled
     kernels run exactly where x's (dy's) and y's (dx's) rows start alike within 16 bytes and
-    the row is long enough and fits one chunk (the backward: one block, or column tiles for
-    more rows than the row sums in parts take)."""
+    the row is long enough and fits one chunk (the forward: or its rows are few, in parts; the
+    backward: one block, or column tiles for more rows than the row sums in parts take)."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt)
@@ -554,8 +554,8 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
 
 @st.composite
 def _long_rows(draw):
-    """Rows longer than one block of the backward, odd or not, few or many (at most 2^22
-    elements in all), row strides longer by 0, 1 or 8 elements."""
+    """Rows of 2049 to 70001 elements, odd or not, few or many (at most 2^22 elements in
+    all), row strides longer by 0, 1 or 8 elements."""
     n = draw(st.integers(2049, 70001))
     m = draw(st.integers(1, min(700, (1 << 22) // n)))
     return m, n, draw(st.sampled_from(PAIRS)), draw(st.sampled_from([0, 1, 8]))
