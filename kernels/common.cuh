@@ -210,6 +210,11 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, C (&out)[V]) {
   for (int j = 0; j < V; ++j) out[j] = (C)elem(pk, j);
 }
 
+// A peeled row's head: its elements before the row's first 16-byte boundary.
+template <typename T> __device__ __forceinline__ int peel_head(const T* row) {
+  return (int)(((16 - ((size_t)row & 15)) & 15) / sizeof(T));
+}
+
 // VEC parameters (gamma or beta) of a peeled row's pack at column head + a (a a multiple of
 // VEC, head < VEC, head + a + VEC <= N), converted to C; `fill` where p is NULL. Where p is
 // aligned to packs (`aligned`, the caller's test) and a + 2 * VEC <= N: the two aligned packs at

@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
   constexpr int VEC = 16 / (int)sizeof(T);
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
-  const int head = (int)(((16 - ((size_t)(x + blockIdx.x * ldx) & 15)) & 15) / sizeof(T));
+  const int head = peel_head(x + blockIdx.x * ldx);
   const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
   const cl_i64 c0 = TILES ? (cl_i64)blockIdx.y * blockDim.x * NPT * VEC : 0;  // in the middle
   // this thread's peeled element: head element t, or tail element t - VEC
@@ -587,7 +587,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     const C rs = (C)rstd[row];
     C s[2] = {C(0), C(0)};
     // peeled: the middle's `end` elements from column `head` (else the whole row)
-    const int head = PEEL ? (int)(((16 - ((size_t)xr & 15)) & 15) / sizeof(T)) : 0;
+    const int head = PEEL ? peel_head(xr) : 0;
     const cl_i64 end = PEEL ? (N - head) / VEC * VEC : N;
     for (cl_i64 c0 = first; c0 < end; c0 += split * chunk) {
 #pragma unroll

@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     const cl_i64 row = base + threadIdx.y;
     const bool valid = row < M;
     const T* xr = x + (valid ? row : 0) * ldx;
-    const int head = (int)(((16 - ((size_t)xr & 15)) & 15) / sizeof(T));
+    const int head = peel_head(xr);
     const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
     // this thread's peeled element: head element t, or tail element t - VEC
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
@@ -417,7 +417,7 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
                                              float* __restrict__ rstd_out) {
   const int t = threadIdx.x, G = gridDim.x;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
-  const int head = (int)(((16 - ((size_t)xr & 15)) & 15) / sizeof(T));
+  const int head = peel_head(xr);
   const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
   // elements of part i: its vectors', and part 0's the head's and tail's
   auto count = [&](int i) {
