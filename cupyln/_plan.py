@@ -313,13 +313,8 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
     if not g.fits and M <= min(info.sms * cfg.peel_parts_rows, 2**16 - 1):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True)
-        tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M,
-                                    N // vec * vec, vec)
-        kerns = _compile.kernels(spec, "fwd_long", config.source)
-        grid, block, kinds = (parts, M), (tpr, 1), _kinds(_FWD_ARGS + "p", dtype)
-        launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
-                  "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
-        return Plan(spec, "fwd_peeled_parts", kerns["fwd_apply"], grid, block, 0, launch)
+        return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
+                           N // vec * vec, _FWD_ARGS)
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp,
                    2 * info.sms)
@@ -436,13 +431,21 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=Non
     if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
             or M > info.sms * rows or "fwd_parts" not in spec.names("fwd")):
         return None
-    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, vec)
-    kerns = _compile.kernels(spec, "fwd", config.source)
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
-    grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", dtype)
+    return _parts_plan(config, info, spec, "fwd", "fwd_parts", M, N, args)
+
+
+def _parts_plan(config, info, spec, pass_, variant, M, N, args):
+    """The two launches of rows in parts over the grid (each part's statistics, then y), from
+    ``spec``'s module of ``pass_``: about ``parts_per_sm`` blocks per SM over rows of N
+    elements in vectors."""
+    cfg = config.fwd
+    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, spec.vec)
+    kerns = _compile.kernels(spec, pass_, config.source)
+    grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", spec.dtype)
     launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
               "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
-    return Plan(spec, "fwd_parts", kerns["fwd_apply"], grid, block, 0, launch)
+    return Plan(spec, variant, kerns["fwd_apply"], grid, block, 0, launch)
 
 
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
