@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._driver import PORTABLE_CLUSTER
 from ._dtypes import ACC_DTYPES, CTYPES
 
 OPTIONS = ("-std=c++17",)
@@ -53,6 +54,12 @@ class Spec(NamedTuple):
         tiles also for single elements) are built for it alone: narrower widths serve rare
         alignments, where the basic kernels do."""
         return self.vec * self.dtype.itemsize == 16
+
+    @property
+    def large_cluster(self):
+        """Clusters past the portable size (8 blocks on sm_90, more with an opt-in), built for
+        rows of 16-byte vectors that a portable cluster cannot hold."""
+        return self.tiles > PORTABLE_CLUSTER
 
     @property
     def stages(self):
@@ -108,6 +115,9 @@ class Spec(NamedTuple):
                 names["bwd_cluster"] = f"{kern}<{a}, cln::direct, {self.tiles}>"
                 if self.stages:
                     names["bwd_cluster_staged"] = f"{kern}<{a}, cln::staged, {self.tiles}>"
+            if self.large_cluster:  # for rows only it holds: its cluster kernels alone
+                return {k: v for k, v in names.items()
+                        if self.wide and k.startswith("bwd_cluster") or k.startswith("reduce")}
             if self.wide:  # few long rows in parts over the grid
                 names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
                 names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"

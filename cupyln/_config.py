@@ -64,6 +64,9 @@ class FwdConfig:
     # (64x32768 bf16: 10.5 against 9.9 us).
     cluster: bool = True
     cluster_tiles: int = 8
+    # Rows that one chunk of those 8 blocks cannot hold, over `cluster_tiles_long` blocks (a
+    # cluster past the portable size, which the kernels opt into; 0: off): FIGURE.
+    cluster_tiles_long: int = 16
     # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
     # (fused RMSNorm 512x262144 bf16: 391 against 342 us unsplit).
@@ -151,6 +154,9 @@ class BwdConfig:
     cluster: bool = True
     cluster_tiles: int = 8
     cluster_npt: int = 2
+    # Rows that 8 tiles cannot hold, over `cluster_tiles_long` tiles (a cluster past the
+    # portable size, which the kernels opt into; 0: off): FIGURE.
+    cluster_tiles_long: int = 16
 
     __post_init__ = _check_stage
 

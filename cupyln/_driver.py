@@ -17,6 +17,8 @@ import threading
 from cupy_backends.cuda.api import driver as _drv
 
 _STRUCT = {"p": "Q", "i": "q", "f": "f", "d": "d"}  # native-aligned C layout of each argument
+PORTABLE_CLUSTER = 8  # blocks per cluster every sm_90 device runs; more need an opt-in
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
 
 
 def param_layout(kinds):
@@ -35,6 +37,13 @@ def allow_smem(kern, smem):
         kern.max_dynamic_shared_size_bytes = smem
 
 
+def allow_cluster(kern, blocks):
+    """Let ``kern`` run in clusters of ``blocks`` blocks: past the portable size (8 on sm_90)
+    the driver launches, and counts, such clusters only for a kernel that opted in."""
+    if blocks > PORTABLE_CLUSTER:
+        _drv.funcSetAttribute(kern.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
+
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
@@ -46,12 +55,17 @@ def max_active_clusters(kern, cluster, block, smem):
     """How many clusters of ``kern`` (whose cluster shape, ``cluster`` = (blocks along x, along
     y), is fixed at compile time) can run at once on its device (``cuOccupancyMaxActiveClusters``;
     a cluster's blocks share one GPC, so this is not the resident blocks over the cluster size).
-    0 where the driver cannot tell."""
+    0 where the driver cannot tell. Clusters past the portable size are allowed here, before
+    the planner can choose them."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
     except (OSError, AttributeError):
         return 0
     allow_smem(kern, smem)
+    try:
+        allow_cluster(kern, cluster[0] * cluster[1])
+    except _drv.CUDADriverError:
+        return 0  # a driver without the opt-in runs no larger cluster
     cfg = _LaunchConfig((*cluster, 1), (*block, 1, 1)[:3], smem, None, None, 0)
     n = ctypes.c_int(0)
     err = fn(ctypes.byref(n), ctypes.c_void_p(kern.kernel.ptr), ctypes.byref(cfg))

@@ -125,7 +125,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     (default: CUDA's) False for a CUDA device without them (before sm_90)."""
     fc, bc = config.fwd, config.bwd
     clusters = not hip if clusters is None else clusters and not hip
-    long_tiles = bc.cluster_tiles if clusters else 1  # the long-row backward's module
+    long_tiles = cluster_sizes(bc) if clusters else (1,)  # the long-row backward's modules
     bwd_npts = [n for n in range(bc.npt_min, max(bc.npt, bc.tile_npt, bc.cluster_npt) + 1)
                 if not n & (n - 1)]
     names = set()
@@ -133,9 +133,9 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
         for ln in (True, False):
             for v in vec_options(t):
                 add = add_vec(t, v) == v  # a width the fused add runs at
-                if v * t.itemsize == 16 and clusters:  # rows split over a cluster
-                    for h in (None, *(h_dtypes(t) if add else ())):
-                        names.update(Spec(t, w, ln, v, fc.npt, warp, fc.cluster_tiles,
+                for tiles in cluster_sizes(fc) if v * t.itemsize == 16 and clusters else ():
+                    for h in (None, *(h_dtypes(t) if add else ())):  # rows split over a cluster
+                        names.update(Spec(t, w, ln, v, fc.npt, warp, tiles,
                                           hdtype=h).names("fwd").values())
                 for n in (1, 2, 4):
                     if n <= fc.npt:
@@ -161,7 +161,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                                  .names("bwd_long").values())
                 for n in bwd_npts:
                     for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
-                                         ("bwd_long", long_tiles)):
+                                         *(("bwd_long", t) for t in long_tiles)):
                         if pass_ == "bwd_long" and n not in (bc.tile_npt, bc.cluster_npt):
                             continue  # long rows take these widths alone
                         if not clusters and tiles > 1 and pass_ == "bwd":
@@ -338,12 +338,12 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
         return peeled
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
-    parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype)
-    if parts is not None:
-        return parts
     cluster = _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     if cluster is not None:
         return cluster
+    parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype)
+    if parts is not None:
+        return parts
     if hdtype is not None:
         return _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid)
     rg = _takes_row_kernel(cfg, info, g, dtype, M, N, vec)
@@ -371,11 +371,19 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def fwd_cluster_holds(cfg: FwdConfig, info, dtype, vec, g, N):
-    """Whether forward rows of geometry ``g`` split over a cluster: sm_90, 16-byte vectors, rows
-    longer than one block holds and that one chunk of the cluster holds (x read once)."""
-    return (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits
-            and N // vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt)
+def cluster_sizes(cfg: FwdConfig | BwdConfig):
+    """The blocks per cluster a pass splits long rows over, fewest first (the portable size,
+    then the larger one where on)."""
+    return tuple(t for t in (cfg.cluster_tiles, cfg.cluster_tiles_long) if t > 1)
+
+
+def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, vec, g, N):
+    """The blocks of the cluster that forward rows of geometry ``g`` split over: sm_90, 16-byte
+    vectors, rows longer than one block holds, the fewest blocks whose one chunk holds the row
+    (x read once); 0 where none does."""
+    if not (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits):
+        return 0
+    return next((t for t in cluster_sizes(cfg) if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
 
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
@@ -385,9 +393,9 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     only). None where the rules say no or the driver cannot place such a cluster (longer rows:
     in parts over the grid where few, else a block each)."""
     cfg = config.fwd
-    if not fwd_cluster_holds(cfg, info, dtype, vec, g, N):
+    tiles = fwd_cluster_tiles(cfg, info, dtype, vec, g, N)
+    if not tiles:
         return None
-    tiles = cfg.cluster_tiles
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     if hdtype is not None and tpr >= cfg.tpr_max and M > info.sms * cfg.cluster_few_rows:
         return None  # nothing overlaps the exchanges: split only where SMs would idle
@@ -421,15 +429,14 @@ def parts_geometry(per_sm, npt, tpr_max, info, M, N, vec):
 
 
 def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=None):
-    """Rows longer than one block, and than one chunk of a cluster where the device has them,
+    """Rows longer than one block that no cluster takes (the planner asks for a cluster first),
     at most ``sms * parts_rows`` of them (the fused add's: ``parts_rows_add``), each split over
     blocks of the grid (two launches: the parts' statistics, with the fused add's h, then y);
     None elsewhere."""
     cfg = config.fwd
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip, hdtype=hdtype)
     rows = cfg.parts_rows if hdtype is None else cfg.parts_rows_add
-    if (g.fits or fwd_cluster_holds(cfg, info, dtype, vec, g, N) or M >= 2**16
-            or M > info.sms * rows or "fwd_parts" not in spec.names("fwd")):
+    if (g.fits or M >= 2**16 or M > info.sms * rows or "fwd_parts" not in spec.names("fwd")):
         return None
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     return _parts_plan(config, info, spec, "fwd", "fwd_parts", M, N, args)
@@ -461,18 +468,19 @@ def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
 
 def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
     """Rows longer than one block: (spec, kernels, block, tiles, cluster) of a cluster of
-    ``cluster_tiles`` column tiles where the row fits in them and the driver can place one,
-    else of ``tile_tpr``-thread tiles after the row sums kernel."""
+    column tiles (the fewest of ``cluster_sizes``) where the row fits in them and the driver
+    can place one, else of ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
-    tpr = round_up(cdiv(N // vec, cfg.cluster_tiles * cfg.cluster_npt), info.warp)
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, cfg.cluster_tiles,
+    most = bwd_threads(cfg.cluster_npt)
+    sizes = cluster_sizes(cfg) if info.clusters and cfg.cluster else ()
+    tiles = next((t for t in sizes if cdiv(N // vec, t * cfg.cluster_npt) <= most), 0)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles,
                 residual=residual)
-    built = "bwd_cluster" in spec.names("bwd_long")  # the widths Spec builds clusters for
-    if info.clusters and cfg.cluster and built and tpr <= bwd_threads(cfg.cluster_npt):
+    if tiles and "bwd_cluster" in spec.names("bwd_long"):  # the widths Spec builds them for
+        tpr = round_up(cdiv(N // vec, tiles * cfg.cluster_npt), info.warp)
         kerns = _compile.kernels(spec, "bwd_long", config.source)
-        if _driver.max_active_clusters(kerns["bwd_cluster"], (1, cfg.cluster_tiles), (tpr, 1),
-                                       0) > 0:
-            return spec, kerns, (tpr, 1), cfg.cluster_tiles, True
+        if _driver.max_active_clusters(kerns["bwd_cluster"], (1, tiles), (tpr, 1), 0) > 0:
+            return spec, kerns, (tpr, 1), tiles, True
     # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
     tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,

@@ -271,12 +271,14 @@ def test_row_kernel(plans, op, M, N, dt, wdt, params):
 @pytest.mark.parametrize("M,N,dt,wdt", [(700, 20000, F16, F16), (5, 16384, BF16, F32),
                                         (33, 32768, F16, F32), (1000, 9000, F32, F32),
                                         (3, 4100, F64, F64), (2, 70000, F32, F32),
-                                        (1, 300000, BF16, F32), (37, 140000, F16, F16)])
+                                        (1, 300000, BF16, F32), (37, 140000, F16, F16),
+                                        (40, 98312, BF16, F32), (9, 131072, BF16, BF16)])
 def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
-    """Long rows: clusters of column tiles that exchange their row sums (sm_90) and the row
-    sums kernel (in parts, one per column tile) before the tiles both match the reference,
-    deterministic and not; the plan takes the cluster path exactly where the device has clusters
-    and the row fits in its tiles."""
+    """Long rows: clusters of column tiles that exchange their row sums (sm_90; 16 tiles, past
+    the portable size, for rows that 8 cannot hold; staged where clusters loop over rows) and
+    the row sums kernel (in parts, one per column tile) before the tiles both match the
+    reference, deterministic and not; the plan takes the cluster path exactly where the device
+    has clusters and the row fits in its tiles, the fewest that hold it."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt)
@@ -289,25 +291,29 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         cluster = plan.variant.startswith("bwd_cluster")
         info = _plan.device_info(cp.cuda.Device().id)
         cfg = plans.config.bwd
-        npt = cfg.cluster_npt
-        fits = N // plan.spec.vec <= cfg.cluster_tiles * npt * _plan.bwd_threads(npt)
-        built = plan.spec.vec * dt.itemsize == 16 or plan.spec.vec == 1  # clusters' widths
-        assert cluster == (on and info.clusters and fits and built), plan.grid
+        npt, wide = cfg.cluster_npt, plan.spec.vec * dt.itemsize == 16
+        fits = [t for t in _plan.cluster_sizes(cfg)
+                if N // plan.spec.vec <= t * npt * _plan.bwd_threads(npt)]
+        # the widths clusters are built for: 16-byte vectors, single elements in 8 tiles
+        built = fits and (wide or plan.spec.vec == 1 and fits[0] == cfg.cluster_tiles)
+        assert cluster == bool(on and info.clusters and built), plan.grid
         assert ("rowsums" in plan.launch) != cluster
-        assert plan.grid[1] == cfg.cluster_tiles or not cluster
+        assert not cluster or plan.grid[1] == fits[0]
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (300, 65536, BF16, F32, True), (3, 65544, F16, F16, False), (2, 1 << 20, BF16, BF16, True),
     (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False),
-    (2, 40000, F64, F64, True), (400, 40000, F32, F32, True)])
+    (2, 40000, F64, F64, True), (400, 40000, F32, F32, True), (3, 262152, F16, F32, False),
+    (300, 200000, F32, F32, True)])
 def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     """Forward rows longer than a block split over a cluster (direct, or staged where resident
-    clusters loop over rows; rows not a multiple of the cluster's chunk, strided rows) match the
-    reference, as the path without clusters does; the plan takes it exactly where the device
-    has clusters and one chunk of the cluster holds the row (rows in parts turned off: longer
-    rows then take a block each)."""
+    clusters loop over rows; rows not a multiple of the cluster's chunk, strided rows; 16
+    blocks, past the portable size, where 8 do not hold the row) match the reference, as the
+    path without clusters does; the plan takes it exactly where the device has clusters and
+    one chunk of the cluster holds the row, the fewest blocks that do (rows in parts turned
+    off: longer rows then take a block each)."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
@@ -318,8 +324,9 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
         info, cfg = _plan.device_info(cp.cuda.Device().id), plans.config.fwd
-        held = [N // p.spec.vec <= cfg.cluster_tiles * cfg.tpr_max * cfg.npt for p in plans]
-        assert all((p.spec.tiles > 1) == (on and info.clusters and h)
+        held = [[t for t in _plan.cluster_sizes(cfg)
+                 if N // p.spec.vec <= t * cfg.tpr_max * cfg.npt] for p in plans]
+        assert all(p.spec.tiles == (h[0] if on and info.clusters and h else 1)
                    for p, h in zip(plans, held, strict=True)), plans[0].variant
         staged = [p.variant == "fwd_cluster_staged" for p in plans]
         assert all(p.spec.tiles == 1 or (p.grid[0] < M if s else p.grid[0] == M)
@@ -349,8 +356,9 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
         cfg = plans.config.fwd
         wide = [p.spec.vec * dt.itemsize == 16 for p in plans]  # parts: 16-byte vectors
-        held = [w and info.clusters and N // p.spec.vec <= cfg.cluster_tiles * cfg.tpr_max
-                * cfg.npt for p, w in zip(plans, wide, strict=True)]
+        held = [w and info.clusters and any(N // p.spec.vec <= t * cfg.tpr_max * cfg.npt
+                                            for t in _plan.cluster_sizes(cfg))
+                for p, w in zip(plans, wide, strict=True)]
         assert plans and all((p.variant == "fwd_parts") == (rows > 0 and w and not h)
                              for p, w, h in zip(plans, wide, held, strict=True)), \
             [p.variant for p in plans]
@@ -368,7 +376,7 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
     for rows in (0.5, 0):
-        plans.replan(bwd_parts_rows=rows)
+        plans.replan(bwd_parts_rows=rows, bwd_cluster_tiles_long=0)  # 140000 f16: no cluster
         for det in (True, False):
             check_case(op, *case, deterministic=det, config=plans.config)
         long = [p for p in plans if "rowsums" in p.launch]

@@ -220,27 +220,30 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
        st.integers(1, 1 << 21), WARPS, st.booleans())
 @example("bfloat16", 2048, 65536, 32, True)  # longer than a block: staged, resident clusters
 @example("bfloat16", 64, 1 << 20, 32, True)  # longer than a cluster: in parts, or a block
+@example("bfloat16", 256, 1 << 19, 32, True)  # longer than 8 blocks hold: 16, staged
 @example("bfloat16", 1, 65536, 32, True)  # one row: direct
 @example("bfloat16", 131, 32768, 32, True)  # fits a block
 def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters):
     """Where clusters exist, every forward row of 16-byte vectors longer than one block holds
     and that one chunk of the cluster's registers holds is split over ``cluster_tiles`` blocks
-    of whole warps: staged (resident clusters looping over rows, two buffers of the block's
-    part in shared memory) where there are more rows than resident clusters, else one cluster
-    per row; no other row is (longer ones go in parts over the grid, or a block each), with
-    or without rows in parts."""
+    of whole warps (``cluster_tiles_long`` where the row needs more): staged (resident clusters
+    looping over rows, two buffers of the block's part in shared memory) where there are more
+    rows than resident clusters, else one cluster per row; no other row is (longer ones go in
+    parts over the grid, or a block each), with or without rows in parts."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
-    held = N // vec <= FWD.cluster_tiles * FWD.tpr_max * FWD.npt  # by one chunk of a cluster
-    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and held)
+    # the cluster sizes whose one chunk holds the row, the portable one first
+    held = [t for t in (FWD.cluster_tiles, FWD.cluster_tiles_long)
+            if N // vec <= t * FWD.tpr_max * FWD.npt]
+    assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and bool(held))
     default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
     assert (default.spec.tiles > 1) == (s.tiles > 1)
     if s.tiles == 1:
         return
     tpr = plan.block[0]
-    assert s.tiles == FWD.cluster_tiles and plan.block[1] == 1
+    assert s.tiles == held[0] and plan.block[1] == 1
     assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == FWD.npt
     cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
     assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
