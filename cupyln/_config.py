@@ -65,8 +65,13 @@ class FwdConfig:
     cluster: bool = True
     cluster_tiles: int = 8
     # Rows that one chunk of those 8 blocks cannot hold, over `cluster_tiles_long` blocks (a
-    # cluster past the portable size, which the kernels opt into; 0: off): FIGURE.
+    # cluster past the portable size, which the kernels opt into; 0: off), for RMSNorm without
+    # the fused add, more than sms * cluster_long_rows rows: RMS 256x524288 bf16 192 against
+    # 228 us in parts. LayerNorm's two exchanges per row over 16 blocks gained nothing
+    # (256x524288 bf16 278 / 283, 256x262144 f32 237 / 229), nor did few rows (LN 8x524288 22.0
+    # against 17.4: 7 clusters fit).
     cluster_tiles_long: int = 16
+    cluster_long_rows: float = 1.0
     # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
     # (fused RMSNorm 512x262144 bf16: 391 against 342 us unsplit).
@@ -155,7 +160,9 @@ class BwdConfig:
     cluster_tiles: int = 8
     cluster_npt: int = 2
     # Rows that 8 tiles cannot hold, over `cluster_tiles_long` tiles (a cluster past the
-    # portable size, which the kernels opt into; 0: off): FIGURE.
+    # portable size, which the kernels opt into; 0: off), x and dy read once, not twice:
+    # 1024x131072 bf16 277 against 427 us (row sums, then tiles), 1x131072 8.7 / 12.8,
+    # 512x65536 f32 131 / 197, fused 1024x131072 bf16 312 / 488.
     cluster_tiles_long: int = 16
 
     __post_init__ = _check_stage

@@ -133,10 +133,11 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
         for ln in (True, False):
             for v in vec_options(t):
                 add = add_vec(t, v) == v  # a width the fused add runs at
-                for tiles in cluster_sizes(fc) if v * t.itemsize == 16 and clusters else ():
-                    for h in (None, *(h_dtypes(t) if add else ())):  # rows split over a cluster
-                        names.update(Spec(t, w, ln, v, fc.npt, warp, tiles,
-                                          hdtype=h).names("fwd").values())
+                if v * t.itemsize == 16 and clusters:  # rows split over a cluster
+                    for h in (None, *(h_dtypes(t) if add else ())):
+                        for tiles in fwd_cluster_sizes(fc, ln, h):
+                            names.update(Spec(t, w, ln, v, fc.npt, warp, tiles,
+                                              hdtype=h).names("fwd").values())
                 for n in (1, 2, 4):
                     if n <= fc.npt:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
@@ -377,23 +378,33 @@ def cluster_sizes(cfg: FwdConfig | BwdConfig):
     return tuple(t for t in (cfg.cluster_tiles, cfg.cluster_tiles_long) if t > 1)
 
 
-def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, vec, g, N):
+def fwd_cluster_sizes(cfg: FwdConfig, is_ln, hdtype):
+    """The forward's cluster sizes: the larger one for RMSNorm alone, without the fused add
+    (the cases it was measured to win)."""
+    sizes = cluster_sizes(cfg)
+    return sizes if not is_ln and hdtype is None else sizes[:1]
+
+
+def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, is_ln, hdtype, vec, g, M, N):
     """The blocks of the cluster that forward rows of geometry ``g`` split over: sm_90, 16-byte
     vectors, rows longer than one block holds, the fewest blocks whose one chunk holds the row
-    (x read once); 0 where none does."""
+    (x read once; more than 8 for more than ``sms * cluster_long_rows`` rows); 0 where none
+    does."""
     if not (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits):
         return 0
-    return next((t for t in cluster_sizes(cfg) if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
+    tiles = next((t for t in fwd_cluster_sizes(cfg, is_ln, hdtype)
+                  if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
+    return tiles if tiles <= cfg.cluster_tiles or M > info.sms * cfg.cluster_long_rows else 0
 
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
-    """Rows split over ``cluster_tiles`` blocks of a cluster, whole warps each, where one chunk
-    of the cluster holds the row: staged where resident clusters loop over rows, else one
+    """Rows split over the blocks of a cluster (``fwd_cluster_tiles``), whole warps each, where
+    one chunk of the cluster holds the row: staged where resident clusters loop over rows, else one
     cluster per row (the fused add: direct, and in blocks of ``tpr_max`` threads for few rows
     only). None where the rules say no or the driver cannot place such a cluster (longer rows:
     in parts over the grid where few, else a block each)."""
     cfg = config.fwd
-    tiles = fwd_cluster_tiles(cfg, info, dtype, vec, g, N)
+    tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, hdtype, vec, g, M, N)
     if not tiles:
         return None
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)

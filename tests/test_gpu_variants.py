@@ -301,6 +301,17 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         assert not cluster or plan.grid[1] == fits[0]
 
 
+def _fwd_cluster_tiles(cfg, info, op, M, N, vec):
+    """The blocks of the cluster whose one chunk holds a forward row, the fewest: 8, or for
+    RMSNorm's rows more than ``sms * cluster_long_rows`` of them 16; 0 where none does."""
+    held = [t for t in (cfg.cluster_tiles, cfg.cluster_tiles_long)
+            if N // vec <= t * cfg.tpr_max * cfg.npt]
+    if held and held[0] > cfg.cluster_tiles and (op == "ln" or M <= info.sms
+                                                 * cfg.cluster_long_rows):
+        return 0
+    return held[0] if held else 0
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (300, 65536, BF16, F32, True), (3, 65544, F16, F16, False), (2, 1 << 20, BF16, BF16, True),
@@ -310,7 +321,8 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
 def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     """Forward rows longer than a block split over a cluster (direct, or staged where resident
     clusters loop over rows; rows not a multiple of the cluster's chunk, strided rows; 16
-    blocks, past the portable size, where 8 do not hold the row) match the reference, as the
+    blocks, past the portable size, where 8 do not hold RMSNorm's rows, more than the SMs)
+    match the reference, as the
     path without clusters does; the plan takes it exactly where the device has clusters and
     one chunk of the cluster holds the row, the fewest blocks that do (rows in parts turned
     off: longer rows then take a block each)."""
@@ -324,9 +336,8 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
         info, cfg = _plan.device_info(cp.cuda.Device().id), plans.config.fwd
-        held = [[t for t in _plan.cluster_sizes(cfg)
-                 if N // p.spec.vec <= t * cfg.tpr_max * cfg.npt] for p in plans]
-        assert all(p.spec.tiles == (h[0] if on and info.clusters and h else 1)
+        held = [_fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec) for p in plans]
+        assert all(p.spec.tiles == (h if on and info.clusters and h else 1)
                    for p, h in zip(plans, held, strict=True)), plans[0].variant
         staged = [p.variant == "fwd_cluster_staged" for p in plans]
         assert all(p.spec.tiles == 1 or (p.grid[0] < M if s else p.grid[0] == M)
@@ -356,8 +367,7 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
         cfg = plans.config.fwd
         wide = [p.spec.vec * dt.itemsize == 16 for p in plans]  # parts: 16-byte vectors
-        held = [w and info.clusters and any(N // p.spec.vec <= t * cfg.tpr_max * cfg.npt
-                                            for t in _plan.cluster_sizes(cfg))
+        held = [w and info.clusters and _fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec)
                 for p, w in zip(plans, wide, strict=True)]
         assert plans and all((p.variant == "fwd_parts") == (rows > 0 and w and not h)
                              for p, w, h in zip(plans, wide, held, strict=True)), \

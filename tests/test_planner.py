@@ -133,11 +133,12 @@ _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
-                      hdtype=None, residual=False, peel=False):
+                      hdtype=None, residual=False, peel=False, is_ln=True):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
-    and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable."""
+    and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable; ``is_ln``
+    False: RMSNorm's plan."""
     from unittest import mock
 
     dtype = _dtype(dt)
@@ -163,7 +164,7 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
                                               add_vec(dtype, vec), True), built
         planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
-        return planner.__wrapped__(0, config, dtype, dtype, True, M, N, vec, peel=peel), built
+        return planner.__wrapped__(0, config, dtype, dtype, is_ln, M, N, vec, peel=peel), built
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
@@ -217,28 +218,33 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
-       st.integers(1, 1 << 21), WARPS, st.booleans())
-@example("bfloat16", 2048, 65536, 32, True)  # longer than a block: staged, resident clusters
-@example("bfloat16", 64, 1 << 20, 32, True)  # longer than a cluster: in parts, or a block
-@example("bfloat16", 256, 1 << 19, 32, True)  # longer than 8 blocks hold: 16, staged
-@example("bfloat16", 1, 65536, 32, True)  # one row: direct
-@example("bfloat16", 131, 32768, 32, True)  # fits a block
-def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters):
+       st.integers(1, 1 << 21), WARPS, st.booleans(), st.booleans())
+@example("bfloat16", 2048, 65536, 32, True, True)  # longer than a block: staged clusters
+@example("bfloat16", 64, 1 << 20, 32, True, True)  # longer than a cluster: in parts, or a block
+@example("bfloat16", 256, 1 << 19, 32, True, False)  # longer than 8 blocks hold: 16, staged
+@example("bfloat16", 132, 1 << 19, 32, True, False)  # ... but no more rows than SMs: none
+@example("bfloat16", 1, 65536, 32, True, True)  # one row: direct
+@example("bfloat16", 131, 32768, 32, True, True)  # fits a block
+def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters,
+                                                                     ln):
     """Where clusters exist, every forward row of 16-byte vectors longer than one block holds
     and that one chunk of the cluster's registers holds is split over ``cluster_tiles`` blocks
-    of whole warps (``cluster_tiles_long`` where the row needs more): staged (resident clusters
-    looping over rows, two buffers of the block's part in shared memory) where there are more
-    rows than resident clusters, else one cluster per row; no other row is (longer ones go in
-    parts over the grid, or a block each), with or without rows in parts."""
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS)
+    of whole warps (RMSNorm's rows that need more, more than ``sms * cluster_long_rows`` of
+    them: ``cluster_tiles_long``): staged (resident clusters looping over rows, two buffers of
+    the block's part in shared memory) where there are more rows than resident clusters, else
+    one cluster per row; no other row is (longer ones go in parts over the grid, or a block
+    each), with or without rows in parts."""
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS, is_ln=ln)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
     # the cluster sizes whose one chunk holds the row, the portable one first
     held = [t for t in (FWD.cluster_tiles, FWD.cluster_tiles_long)
             if N // vec <= t * FWD.tpr_max * FWD.npt]
+    if held and held[0] > FWD.cluster_tiles and (ln or M <= 132 * FWD.cluster_long_rows):
+        held = []
     assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and bool(held))
-    default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters)
+    default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters, is_ln=ln)
     assert (default.spec.tiles > 1) == (s.tiles > 1)
     if s.tiles == 1:
         return
