@@ -5,7 +5,7 @@ grid), backward with atomics
 and deterministic, both with staged rows (cp.async; backward rows static or from tickets) and
 direct loads, for short rows
 (several per block), block rows (of 8, 16 and 32 warps), and long rows (clusters of column
-tiles, or row sums + column tiles), and few rows (one cluster that sums dgamma/dbeta, or the
+tiles, of 8 or 16 blocks, or row sums + column tiles), and few rows (one cluster that sums dgamma/dbeta, or the
 last block summing the partials); LayerNorm and RMSNorm; and the fused residual add (with
 dresidual and a weight offset) over the same shapes, staged backward rows or none. Exits non-zero
 when an output misses the reference tolerance.
@@ -35,6 +35,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
+    ("layernorm", 20, 131072, "bfloat16", None),     # backward in 16-block clusters, staged
+    ("rmsnorm", 3, 300000, "bfloat16", None),        # forward in 16-block clusters (any M here)
     ("layernorm", 40, 16384, "bfloat16", "float32"),
     ("layernorm", 150, 16384, "float16", None),      # staged clusters over several rows
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
@@ -60,7 +62,7 @@ for op, M, N, dt, wdt in CASES:
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
         # (forward; backward row sums), or without csum not
         parts = 2.0 if csum else 0
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts),
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_rows=0),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       peel_rows=8 if csum else 0))  # peeled rows: few too
