@@ -1,14 +1,13 @@
 """Run every kernel variant once on a small and a medium shape (for compute-sanitizer).
 
 Variants: forward (one chunk, several chunks, rows split over a cluster or in parts over the
-grid), backward with atomics
-and deterministic, both with staged rows (cp.async; backward rows static or from tickets) and
-direct loads, for short rows
-(several per block), block rows (of 8, 16 and 32 warps), and long rows (clusters of column
-tiles, of 8 or 16 blocks, or row sums + column tiles), and few rows (one cluster that sums dgamma/dbeta, or the
-last block summing the partials); LayerNorm and RMSNorm; and the fused residual add (with
-dresidual and a weight offset) over the same shapes, staged backward rows or none. Exits non-zero
-when an output misses the reference tolerance.
+grid), backward with atomics and deterministic, both with staged rows (cp.async; backward rows
+static or from tickets) and direct loads, for short rows (several per block), block rows (of 8,
+16 and 32 warps), and long rows (clusters of 8 or 16 column tiles, or row sums + column tiles),
+and few rows (one cluster that sums dgamma/dbeta, or the last block summing the partials);
+LayerNorm and RMSNorm; and the fused residual add (with dresidual and a weight offset) over the
+same shapes, staged backward rows or none. Exits non-zero when an output misses the reference
+tolerance.
 """
 
 import sys
@@ -62,7 +61,7 @@ for op, M, N, dt, wdt in CASES:
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
         # (forward; backward row sums), or without csum not
         parts = 2.0 if csum else 0
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_rows=0),
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       peel_rows=8 if csum else 0))  # peeled rows: few too

@@ -66,12 +66,13 @@ class FwdConfig:
     cluster_tiles: int = 8
     # Rows that one chunk of those 8 blocks cannot hold, over `cluster_tiles_long` blocks (a
     # cluster past the portable size, which the kernels opt into; 0: off), for RMSNorm without
-    # the fused add, more than sms * cluster_long_rows rows: RMS 256x524288 bf16 192 against
-    # 228 us in parts. LayerNorm's two exchanges per row over 16 blocks gained nothing
-    # (256x524288 bf16 278 / 283, 256x262144 f32 237 / 229), nor did few rows (LN 8x524288 22.0
-    # against 17.4: 7 clusters fit).
+    # the fused add, at least `cluster_long_min_rows` rows (x read once, not twice): RMS
+    # 256x524288 bf16 192 against 227 us in parts, 16x524288 23.3 / 24.9, 512x400000 295 / 385
+    # (a block per row), 256x262144 f32 185 / 220. LayerNorm's two exchanges per row over 16
+    # blocks gained nothing (256x524288 bf16 278 / 283, 256x262144 f32 237 / 229), nor did 8
+    # rows (LN 8x524288 22.0 / 17.4: 7 clusters of 16 fit, a second round for one row).
     cluster_tiles_long: int = 16
-    cluster_long_rows: float = 1.0
+    cluster_long_min_rows: int = 12
     # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
     # (fused RMSNorm 512x262144 bf16: 391 against 342 us unsplit).

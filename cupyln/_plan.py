@@ -388,13 +388,13 @@ def fwd_cluster_sizes(cfg: FwdConfig, is_ln, hdtype):
 def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, is_ln, hdtype, vec, g, M, N):
     """The blocks of the cluster that forward rows of geometry ``g`` split over: sm_90, 16-byte
     vectors, rows longer than one block holds, the fewest blocks whose one chunk holds the row
-    (x read once; more than 8 for more than ``sms * cluster_long_rows`` rows); 0 where none
+    (x read once; more than 8 for at least ``cluster_long_min_rows`` rows); 0 where none
     does."""
     if not (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits):
         return 0
     tiles = next((t for t in fwd_cluster_sizes(cfg, is_ln, hdtype)
                   if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
-    return tiles if tiles <= cfg.cluster_tiles or M > info.sms * cfg.cluster_long_rows else 0
+    return tiles if tiles <= cfg.cluster_tiles or M >= cfg.cluster_long_min_rows else 0
 
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):

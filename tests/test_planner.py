@@ -222,15 +222,15 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
 @example("bfloat16", 2048, 65536, 32, True, True)  # longer than a block: staged clusters
 @example("bfloat16", 64, 1 << 20, 32, True, True)  # longer than a cluster: in parts, or a block
 @example("bfloat16", 256, 1 << 19, 32, True, False)  # longer than 8 blocks hold: 16, staged
-@example("bfloat16", 132, 1 << 19, 32, True, False)  # ... but no more rows than SMs: none
+@example("bfloat16", 11, 1 << 19, 32, True, False)  # ... but too few rows: none
 @example("bfloat16", 1, 65536, 32, True, True)  # one row: direct
 @example("bfloat16", 131, 32768, 32, True, True)  # fits a block
 def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters,
                                                                      ln):
     """Where clusters exist, every forward row of 16-byte vectors longer than one block holds
     and that one chunk of the cluster's registers holds is split over ``cluster_tiles`` blocks
-    of whole warps (RMSNorm's rows that need more, more than ``sms * cluster_long_rows`` of
-    them: ``cluster_tiles_long``): staged (resident clusters looping over rows, two buffers of
+    of whole warps (RMSNorm's rows that need more, at least ``cluster_long_min_rows`` of them:
+    ``cluster_tiles_long``): staged (resident clusters looping over rows, two buffers of
     the block's part in shared memory) where there are more rows than resident clusters, else
     one cluster per row; no other row is (longer ones go in parts over the grid, or a block
     each), with or without rows in parts."""
@@ -241,7 +241,7 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     # the cluster sizes whose one chunk holds the row, the portable one first
     held = [t for t in (FWD.cluster_tiles, FWD.cluster_tiles_long)
             if N // vec <= t * FWD.tpr_max * FWD.npt]
-    if held and held[0] > FWD.cluster_tiles and (ln or M <= 132 * FWD.cluster_long_rows):
+    if held and held[0] > FWD.cluster_tiles and (ln or M < FWD.cluster_long_min_rows):
         held = []
     assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and bool(held))
     default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters, is_ln=ln)
