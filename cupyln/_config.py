@@ -162,7 +162,7 @@ class BwdConfig:
     cluster_npt: int = 2
     # Rows that 8 tiles cannot hold, over `cluster_tiles_long` tiles (a cluster past the
     # portable size, which the kernels opt into; 0: off), x and dy read once, not twice:
-    # 1024x131072 bf16 277 against 427 us (row sums, then tiles), 1x131072 8.7 / 12.8,
+    # 1024x131072 bf16 306-310 against 427 us (row sums, then tiles), 1x131072 8.7 / 12.8,
     # 512x65536 f32 131 / 197, fused 1024x131072 bf16 312 / 488.
     cluster_tiles_long: int = 16
 
