@@ -117,7 +117,7 @@ class Spec(NamedTuple):
                     names["bwd_cluster_staged"] = f"{kern}<{a}, cln::staged, {self.tiles}>"
             if self.large_cluster:  # for rows only it holds: its cluster kernels alone
                 return {k: v for k, v in names.items()
-                        if self.wide and k.startswith("bwd_cluster") or k.startswith("reduce")}
+                        if (self.wide and k.startswith("bwd_cluster")) or k.startswith("reduce")}
             if self.wide:  # few long rows in parts over the grid
                 names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
                 names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"

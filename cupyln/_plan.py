@@ -399,10 +399,10 @@ def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, is_ln, hdtype, vec, g, M, N):
 
 def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     """Rows split over the blocks of a cluster (``fwd_cluster_tiles``), whole warps each, where
-    one chunk of the cluster holds the row: staged where resident clusters loop over rows, else one
-    cluster per row (the fused add: direct, and in blocks of ``tpr_max`` threads for few rows
-    only). None where the rules say no or the driver cannot place such a cluster (longer rows:
-    in parts over the grid where few, else a block each)."""
+    one chunk of the cluster holds the row: staged where resident clusters loop over rows, else
+    one cluster per row (the fused add: direct, and in blocks of ``tpr_max`` threads for few
+    rows only). None where the rules say no or the driver cannot place such a cluster (longer
+    rows: in parts over the grid where few, else a block each)."""
     cfg = config.fwd
     tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, hdtype, vec, g, M, N)
     if not tiles:
@@ -447,7 +447,7 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=Non
     cfg = config.fwd
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip, hdtype=hdtype)
     rows = cfg.parts_rows if hdtype is None else cfg.parts_rows_add
-    if (g.fits or M >= 2**16 or M > info.sms * rows or "fwd_parts" not in spec.names("fwd")):
+    if g.fits or M >= 2**16 or M > info.sms * rows or "fwd_parts" not in spec.names("fwd"):
         return None
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     return _parts_plan(config, info, spec, "fwd", "fwd_parts", M, N, args)

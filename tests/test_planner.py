@@ -462,6 +462,35 @@ def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     assert merge.block[0] == warp and merge.grid[0] * merge.block[1] >= M
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 19), WARPS, st.booleans(), st.booleans())
+@example("bfloat16", 2048, 65536, 32, True, False)  # 8 tiles hold it
+@example("bfloat16", 1024, 131072, 32, True, False)  # 16 tiles
+@example("float32", 1, 65536, 32, True, True)  # 16 tiles, fused
+@example("bfloat16", 64, 131080, 32, True, False)  # past 16 tiles: row sums, then tiles
+@example("float16", 3, 70001, 32, True, False)  # single elements past 8 tiles: not built
+def test_backward_long_rows_in_the_fewest_cluster_tiles_that_hold_them(dt, M, N, warp,
+                                                                       clusters, residual):
+    """Where clusters exist, a backward row longer than one block runs in a cluster of column
+    tiles of ``cluster_npt`` vectors per thread: ``cluster_tiles`` (8) where they hold the row,
+    else ``cluster_tiles_long`` (16, past the portable size: 16-byte vectors only), plain or
+    fused; no other row does (longer ones: row sums, then tiles)."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters, residual=residual)
+    s = plan.spec
+    wide, most = s.vec * s.dtype.itemsize == 16, _plan.bwd_threads(BWD.cluster_npt)
+    longer = not _plan.bwd_geometry(BWD, N // s.vec, warp).fits
+    fits = [t for t in (BWD.cluster_tiles, BWD.cluster_tiles_long)
+            if -(-(N // s.vec) // (t * BWD.cluster_npt)) <= most]
+    built_for = fits and (wide or s.vec == 1 and fits[0] == BWD.cluster_tiles)
+    cluster = plan.variant.startswith("bwd_cluster")
+    assert cluster == bool(clusters and longer and built_for), (plan.variant, s)
+    if cluster:
+        assert plan.grid[1] == s.tiles == fits[0] and "rowsums" not in plan.launch
+        assert plan.block[0] % warp == 0 and plan.block[0] <= most
+        assert plan.block[0] * s.tiles * s.npt * s.vec >= N
+    assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
+
+
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
        st.integers(1, 1 << 21), WARPS, st.booleans())
 @example("bfloat16", 1, 1 << 20, 32, True)
