@@ -588,6 +588,28 @@ def test_fuzz_peeled_long_rows(op, rows, det, seed):
     check_case(op, *inputs(M, N, dt, wdt, seed=seed), layout=layout, deterministic=det)
 
 
+@st.composite
+def _rows_past_8_cluster_blocks(draw):
+    """Rows of 32769 to 300000 elements (past what 8 cluster blocks hold for some pass and
+    dtype: the backward's 16 tiles from 65537 16-bit or 32769 float32 elements, RMSNorm's
+    forward from 262145 or 131073), 1 to 40 of them (at most 2^22 elements in all), row
+    strides longer by 0 or 8 elements."""
+    n = draw(st.integers(32769, 300000))
+    m = draw(st.integers(1, min(40, (1 << 22) // n)))
+    return m, n, draw(st.sampled_from(PAIRS)), draw(st.sampled_from([0, 8]))
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@settings(max_examples=max(1, settings().max_examples // 4))
+@given(_rows_past_8_cluster_blocks(), st.booleans(), st.integers(0, 1000))
+def test_fuzz_rows_past_8_cluster_blocks(op, rows, det, seed):
+    """Long rows against the reference wherever 16-block clusters may run (sm_90), and the
+    paths beside them (8 blocks, parts, row sums and tiles), as the planner picks."""
+    M, N, (dt, wdt), extra = rows
+    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    check_case(op, *inputs(M, N, dt, wdt, seed=seed), layout=layout, deterministic=det)
+
+
 def test_peeled_rows_with_y_unlike_x(plans):
     """A peelable signature called again with y given one element past an aligned start (its
     rows then start unlike x's within 16 bytes) runs the narrow path, and still matches."""
