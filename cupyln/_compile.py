@@ -136,6 +136,10 @@ class Spec(NamedTuple):
             names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
             if self.stages and not h:  # resident clusters, the next row copied ahead
                 names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
+            if self.is_ln and not h:  # rows of whole chunks: no column tests
+                for k in list(names):
+                    stage = "cln::staged" if k.endswith("staged") else "cln::direct"
+                    names[k + "_full"] = f"{a}, cln::one_chunk, {stage}, cln::cols_full>"
             return names
         if self.hdtype is not None:  # the fused residual add: direct rows, chunks, parts
             a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"

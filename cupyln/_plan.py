@@ -424,6 +424,8 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
                                                stage)
         if resident and stages(cfg.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
+    if main + "_full" in kerns and cfg.full and N % (tiles * tpr * cfg.npt * vec) == 0:
+        main += "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(args, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)

@@ -154,7 +154,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                          H* __restrict__ hout = nullptr) {
   static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
-  static_assert(CL == 1 || !(EARLY_PARAMS || FULL), "clusters: parameters late, columns tested");
+  static_assert(CL == 1 || !EARLY_PARAMS, "clusters: parameters late");
   typedef typename Acc<T>::type C;
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
@@ -360,12 +360,13 @@ __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS)
 // the cluster, read twice, is not built: few rows past a cluster run in parts, norm_fwd_parts.)
 // STAGE: resident clusters loop over rows, each block copying its part of the next row into
 // shared memory while it reduces this one, so the exchanges' latency overlaps the loads. Built
-// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster, direct).
+// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster, direct). FULL: rows that are a
+// whole number of the cluster's chunks (LayerNorm's, as the direct rows').
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL, bool CHUNKED,
-          bool STAGE = false>
+          bool STAGE = false, bool FULL = false>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_cluster(CLN_FWD_PARAMS) {
-  fwd_rows<CHUNKED, STAGE, false, T, W, LN, VEC, NPT, WARP, false, T, false, CL>(CLN_FWD_ARGS);
+  fwd_rows<CHUNKED, STAGE, false, T, W, LN, VEC, NPT, WARP, FULL, T, false, CL>(CLN_FWD_ARGS);
 }
 
 template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, int CL,

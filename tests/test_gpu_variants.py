@@ -337,7 +337,11 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         held = [_fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec) for p in plans]
         assert all(p.spec.tiles == (h if on and info.clusters and h else 1)
                    for p, h in zip(plans, held, strict=True)), plans[0].variant
-        staged = [p.variant == "fwd_cluster_staged" for p in plans]
+        staged = [p.variant.startswith("fwd_cluster_staged") for p in plans]
+        # LayerNorm's rows of whole chunks (300 and 1 x 65536): no column tests
+        assert all(p.variant.endswith("_full") == (op == "ln" and N % (
+            p.spec.tiles * p.block[0] * p.spec.npt * p.spec.vec) == 0)
+            for p in plans if p.spec.tiles > 1)
         assert all(p.spec.tiles == 1 or (p.grid[0] < M if s else p.grid[0] == M)
                    for p, s in zip(plans, staged, strict=True))
         # more rows than an H200 holds clusters of these (at most 132): staged

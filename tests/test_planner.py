@@ -181,7 +181,7 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     gamma/beta with the row wherever that module has it (4-byte and wider types, 16-byte
     vectors, several per thread, outside the row kernel's module), and no other kernel where it
     has it but a plain row would run; the variant without column tests exactly where a direct
-    row of 16-byte vectors is a multiple of its chunk; the
+    row of 16-byte vectors (or a cluster's) is a multiple of its chunk; the
     row's threads fixed at compile time, at the block's width, in the row kernel alone; that
     kernel (and its module alone) exactly on
     rows of 16-byte vectors, the grid covering M, M x N below 2^31: one vector per thread in
@@ -211,8 +211,8 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
     assert not one_row or set(built) == {"fwd_row", "fwd_row_full"}
     assert not one_row or tpr in _plan.row_kernel_widths(FWD, warp, npt)  # in the offline builds
     # LayerNorm (the helper's op): without column tests exactly where N fills the chunk
-    chunk = tpr * npt * vec
-    direct = base in ("fwd", "fwd_early", "fwd_row")
+    chunk = tpr * npt * vec * plan.spec.tiles  # (a cluster's: its blocks' chunks)
+    direct = base in ("fwd", "fwd_early", "fwd_row") or base.startswith("fwd_cluster")
     assert plan.variant.endswith("_full") == (direct and N % chunk == 0 and wide)
     assert plan.spec.tpr == (tpr if one_row else 0)  # fixed threads: the row kernel alone
 
@@ -220,6 +220,7 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 21), WARPS, st.booleans(), st.booleans())
 @example("bfloat16", 2048, 65536, 32, True, True)  # longer than a block: staged clusters
+@example("bfloat16", 2048, 65544, 32, True, True)  # ... not a whole number of chunks
 @example("bfloat16", 64, 1 << 20, 32, True, True)  # longer than a cluster: in parts, or a block
 @example("bfloat16", 256, 1 << 19, 32, True, False)  # longer than 8 blocks hold: 16, staged
 @example("bfloat16", 11, 1 << 19, 32, True, False)  # ... but too few rows: none
@@ -233,7 +234,8 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     ``cluster_tiles_long``): staged (resident clusters looping over rows, two buffers of
     the block's part in shared memory) where there are more rows than resident clusters, else
     one cluster per row; no other row is (longer ones go in parts over the grid, or a block
-    each), with or without rows in parts."""
+    each), with or without rows in parts; LayerNorm's rows that are a whole number of the
+    cluster's chunks without column tests."""
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS, is_ln=ln)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
@@ -253,8 +255,10 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == FWD.npt
     cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
     assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
-    staged = plan.variant == "fwd_cluster_staged"
-    assert plan.variant == ("fwd_cluster_staged" if M > 1 else "fwd_cluster")  # the mock: 1
+    staged = plan.variant.startswith("fwd_cluster_staged")
+    full = ln and N % cover == 0  # LayerNorm's rows of whole chunks: no column tests
+    want = "fwd_cluster_staged" if M > 1 else "fwd_cluster"  # the mock places 1 cluster
+    assert plan.variant == want + ("_full" if full else "")
     assert plan.grid == ((1 if staged else min(M, 132 * FWD.grid_per_sm)), s.tiles)
     assert plan.smem == (2 * s.npt * tpr * 16 if staged else 0)
     assert set(built.values()) <= _plan.all_kernel_names(warp)
