@@ -37,7 +37,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
-    ("layernorm", 20, 131072, "bfloat16", None),     # backward in 16-block clusters, staged
+    ("layernorm", 20, 131072, "bfloat16", None),     # backward in 16-block clusters, staged;
+                                                     # forward clusters of whole chunks
     ("rmsnorm", 3, 300000, "bfloat16", None),        # forward in 16-block clusters (any M here)
     ("layernorm", 40, 16384, "bfloat16", "float32"),
     ("layernorm", 150, 16384, "float16", None),      # staged clusters over several rows
@@ -47,7 +48,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 300, 12288, "float16", None),      # 384-thread rows (12 warps)
     ("rmsnorm", 700, 8192, "bfloat16", None),        # forward rows of 8 warps
     ("layernorm", 200, 32768, "float16", None),      # forward rows of 32 warps
-    ("layernorm", 60, 32768, "float16", None),       # forward clusters, rows of whole chunks
+    ("layernorm", 60, 32768, "float16", None),       # few rows of one block of 32 warps
     ("layernorm", 4000, 1024, "float16", None),      # staged backward rows from tickets
     ("layernorm", 1100000, 2, "float32", None),      # forward blocks over several row groups
     ("rmsnorm", 3000, 1032, "float16", "float32"),   # row kernel, 2 warps x 4 vectors, not full
