@@ -133,12 +133,12 @@ _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
-                      hdtype=None, residual=False, peel=False, is_ln=True):
+                      hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
     and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable; ``is_ln``
-    False: RMSNorm's plan."""
+    False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places."""
     from unittest import mock
 
     dtype = _dtype(dt)
@@ -153,7 +153,8 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
 
     with mock.patch.object(_plan, "device_info", lambda dev: info), \
             mock.patch.object(_plan._compile, "kernels", kernels), \
-            mock.patch.object(_plan._driver, "max_active_clusters", lambda *a: 1), \
+            mock.patch.object(_plan._driver, "max_active_clusters",
+                              lambda k, cl, *a: int(cl[0] * cl[1] <= most_blocks)), \
             mock.patch.object(_plan, "Launcher", lambda k, g, b, *a: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
         if hdtype is not None:
@@ -493,6 +494,24 @@ def test_backward_long_rows_in_the_fewest_cluster_tiles_that_hold_them(dt, M, N,
         assert plan.block[0] % warp == 0 and plan.block[0] <= most
         assert plan.block[0] * s.tiles * s.npt * s.vec >= N
     assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(12, 1 << 10),
+       st.integers(1 << 14, 1 << 19), WARPS)
+@example("bfloat16", 1024, 131072, 32)  # the backward in 16 tiles
+@example("bfloat16", 256, 1 << 19, 32)  # RMSNorm's forward in 16 blocks
+def test_rows_for_16_blocks_where_the_driver_places_only_8(dt, M, N, warp):
+    """Where the driver places no cluster past 8 blocks (a GPU whose GPCs hold fewer SMs, a MIG
+    slice), no plan asks for one: the rows 16 blocks would take run as without them (row sums
+    and tiles; rows in parts where few, else a block each); plans of rows 8 blocks hold are
+    unchanged."""
+    no16 = Config(fwd=FwdConfig(cluster_tiles_long=0), bwd=BwdConfig(cluster_tiles_long=0))
+    for pass_, ln in (("bwd", True), ("fwd", False)):
+        plan, built = _plan_without_gpu(pass_, dt, M, N, warp, is_ln=ln, most_blocks=8)
+        want, _ = _plan_without_gpu(pass_, dt, M, N, warp, is_ln=ln, config=no16)
+        assert plan.spec.tiles <= 8 and (plan.variant, plan.grid, plan.block) == (
+            want.variant, want.grid, want.block)
+        assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
