@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench train (default
 #   all but train, the PyTorch training example with its loss curves;
 #   TESTS_K="expr" runs only the GPU tests pytest -k selects; TEST_WORKERS=N the processes
-#   that run them, default 8),
+#   that run them, default 8; CUPYLN_SANITIZE_K="regex" only the sanitizer cases it finds),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
