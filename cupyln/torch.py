@@ -443,18 +443,20 @@ _add_rms_fwd.register_autograd(_add_backward, setup_context=_add_setup)
 def _eager_function(impl, setup, bwd, n_stats):
     """The eager path of one op: the same forward, setup and backward as the custom op without
     its dispatch (50 us per call on the H200 host). forward takes ctx itself: with a separate
-    setup_context torch binds the arguments through inspect.signature on every call. The
-    outputs after the first ``n_stats`` (the statistics) are not differentiable."""
+    setup_context torch binds the arguments through inspect.signature on every call. It returns
+    y (and h for the fused add), not the ``n_stats`` statistics: they are saved, not outputs,
+    so the backward is not handed zero-filled gradients for them (20 us a call)."""
 
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
             out = impl(*inputs)
             setup(ctx, inputs, out)
-            ctx.mark_non_differentiable(*out[1 : 1 + n_stats])
-            return out
+            return out[0] if len(out) == 1 + n_stats else (out[0], out[-1])
 
-        backward = staticmethod(bwd)
+        @staticmethod
+        def backward(ctx, dy, *dh):
+            return bwd(ctx, dy, *(None,) * n_stats, *dh)
 
     return Eager
 
@@ -469,8 +471,21 @@ _AddRMSNorm = _eager_function(_add_rms_fwd_impl, _add_setup, _add_backward, 1)
 
 
 def _shape(normalized_shape):
-    """normalized_shape as the ops' list of ints, checked as the array API checks it."""
+    """normalized_shape as the ops' list of ints, checked as the array API checks it (a
+    module's tuple of ints passes at once)."""
+    if type(normalized_shape) is tuple and normalized_shape and all(
+            type(s) is int for s in normalized_shape):
+        return list(normalized_shape)
     return list(api._shape_arg(normalized_shape))
+
+
+def _call(op, eager, *args):
+    """The custom op under ``torch.compile`` (outputs: y, the statistics, then h for the fused
+    add), the eager Function otherwise; either way y, or (y, h) for the fused add."""
+    if not torch.compiler.is_compiling():
+        return eager.apply(*args)
+    out = op(*args)
+    return (out[0], out[-1]) if op in (_add_ln_fwd, _add_rms_fwd) else out[0]
 
 
 def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
@@ -479,9 +494,8 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     """``torch.nn.functional.layer_norm`` through cupyln's kernels; differentiable in x, weight
     and bias. Output in x's dtype (float32 weights with 16-bit x are fine). ``weight_offset``:
     scale by ``weight + weight_offset``. Errors as ``cupyln.layer_norm_fwd``."""
-    fn = _ln_fwd if torch.compiler.is_compiling() else _LayerNorm.apply
-    return fn(x, weight, bias, _shape(normalized_shape), float(eps), deterministic,
-              float(weight_offset))[0]
+    return _call(_ln_fwd, _LayerNorm, x, weight, bias, _shape(normalized_shape), float(eps),
+                 deterministic, float(weight_offset))
 
 
 def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
@@ -489,9 +503,8 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
              deterministic: bool = False) -> Tensor:
     """``torch.nn.functional.rms_norm`` through cupyln's kernels (``eps=None``: the machine
     epsilon of x's dtype, as torch). ``weight_offset=1.0``: Gemma's ``(1 + weight)``."""
-    fn = _rms_fwd if torch.compiler.is_compiling() else _RMSNorm.apply
-    return fn(x, weight, _shape(normalized_shape), _eps(eps, x), deterministic,
-              float(weight_offset))[0]
+    return _call(_rms_fwd, _RMSNorm, x, weight, _shape(normalized_shape), _eps(eps, x),
+                 deterministic, float(weight_offset))
 
 
 def _eps(eps, x):
@@ -506,10 +519,8 @@ def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence
     residual stream in float32) and ``y = layer_norm(h)`` in one kernel each way. Returns
     ``(y, h)``, both differentiable; x's and residual's gradients come from one backward
     kernel."""
-    fn = _add_ln_fwd if torch.compiler.is_compiling() else _AddLayerNorm.apply
-    out = fn(x, residual, weight, bias, _shape(normalized_shape), float(eps), residual_dtype,
-             float(weight_offset), deterministic)
-    return out[0], out[-1]
+    return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, _shape(normalized_shape),
+                 float(eps), residual_dtype, float(weight_offset), deterministic)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[int],
@@ -517,10 +528,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
                  residual_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
                  deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The fused residual add of :func:`add_layer_norm`, for RMSNorm. Returns ``(y, h)``."""
-    fn = _add_rms_fwd if torch.compiler.is_compiling() else _AddRMSNorm.apply
-    out = fn(x, residual, weight, _shape(normalized_shape), _eps(eps, x), residual_dtype,
-             float(weight_offset), deterministic)
-    return out[0], out[-1]
+    return _call(_add_rms_fwd, _AddRMSNorm, x, residual, weight, _shape(normalized_shape),
+                 _eps(eps, x), residual_dtype, float(weight_offset), deterministic)
 
 
 # ----------------------------------------------------------------------------- modules
