@@ -2,6 +2,8 @@
 modules and state_dict, determinism; on the CPU (the NumPy path) and, marked `gpu`, on CUDA
 (DLPack, streams, CUDA graphs, autocast, a short training run)."""
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -278,6 +280,27 @@ def test_repeated_calls_launch_their_prepared_pass(op):
     want = run(aligned.clone())  # the same values at an aligned address
     got = run(shifted.copy_(aligned.clone()))
     assert all(rel_err(a, c) < 1e-2 for a, c in zip(got, want, strict=True))
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_prepared_calls_from_a_thread_without_a_current_context():
+    """A prepared call from a thread on which no CUDA context is current yet (as the autograd
+    engine's device thread, whose first CUDA work may be cupyln's launch) launches, with the
+    main thread's values bitwise."""
+    x, w, b, dy = inputs((64, 1024), 1, torch.float16, torch.float16, "cuda")
+    x.requires_grad_()
+
+    def run():
+        y = ct.layer_norm(x, (1024,), w, b)
+        return y, torch.autograd.grad(y, x, dy)[0]
+
+    run()  # the first call prepares the passes
+    want, got = run(), []
+    thread = threading.Thread(target=lambda: got.extend(run()))
+    thread.start()
+    thread.join()
+    assert len(got) == 2 and all(torch.equal(a, c) for a, c in zip(got, want, strict=True))
 
 
 def test_unsupported_tensor_dtype_is_named():
