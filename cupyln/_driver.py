@@ -15,10 +15,12 @@ import struct
 import threading
 
 from cupy_backends.cuda.api import driver as _drv
+from cupy_backends.cuda.api import runtime as _rt
 
 _STRUCT = {"p": "Q", "i": "q", "f": "f", "d": "d"}  # native-aligned C layout of each argument
 PORTABLE_CLUSTER = 8  # blocks per cluster every sm_90 device runs; more need an opt-in
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT (cuda.h)
 
 
 def param_layout(kinds):
@@ -76,11 +78,12 @@ class Launcher:
     """One kernel with a fixed grid, block and dynamic shared memory, on the device whose
     RawKernel it was made from. ``launcher(stream_ptr, *args)`` launches on that stream."""
 
-    __slots__ = ("kern", "grid", "block", "smem", "kinds", "_dims", "_buf", "_params",
+    __slots__ = ("kern", "dev", "grid", "block", "smem", "kinds", "_dims", "_buf", "_params",
                  "_params_ptr", "_pack", "_lock")
 
     def __init__(self, kern, grid, block, smem, kinds):
         self.kern, self.kinds = kern, kinds
+        self.dev = _rt.getDevice()  # plans are made with their device current
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
         self.smem = smem
@@ -97,12 +100,25 @@ class Launcher:
         self._lock = threading.Lock()
 
     def __call__(self, stream, *args):
-        try:
-            with self._lock:
-                self._pack(self._buf, 0, *args)
+        with self._lock:
+            self._pack(self._buf, 0, *args)
+            try:
                 _drv.launchKernel(*self._dims, stream, self._params_ptr, 0)
-        except _drv.CUDADriverError as e:
-            raise RuntimeError(
-                f"cupyln: kernel launch failed: {e} (grid {self.grid}, block {self.block}, "
-                f"{self.smem} bytes of dynamic shared memory)"
-            ) from e
+            except _drv.CUDADriverError as e:
+                self._relaunch(e, stream)
+
+    def _relaunch(self, err, stream):
+        """A thread on which no context is current yet (the autograd engine's device thread,
+        whose first CUDA work may be this launch): the device's primary context made current
+        and the launch made again. Any other failure is raised with the launch's geometry."""
+        if err.status == _INVALID_CONTEXT and not _drv.ctxGetCurrent():
+            _rt.setDevice(self.dev)  # CUDA 12+: makes the primary context current
+            try:
+                _drv.launchKernel(*self._dims, stream, self._params_ptr, 0)
+                return
+            except _drv.CUDADriverError as e:
+                err = e
+        raise RuntimeError(
+            f"cupyln: kernel launch failed: {err} (grid {self.grid}, block {self.block}, "
+            f"{self.smem} bytes of dynamic shared memory)"
+        ) from err
