@@ -126,8 +126,11 @@ class Spec(NamedTuple):
     def _fwd_names(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
         if self.peeled:
-            op = _op(self.is_ln)
-            return {"fwd_peeled": f"norm_fwd_peeled<{t}, {w}, {op}, {self.npt}, {self.warp}>"}
+            a = f"norm_fwd_peeled<{t}, {w}, {_op(self.is_ln)}, {self.npt}, {self.warp}"
+            names = {"fwd_peeled": f"{a}>"}
+            if self.npt == 1:  # few rows: gamma and beta read with the row
+                names["fwd_peeled_early"] = f"{a}, cln::params_early>"
+            return names
         if self.tiles > 1:  # rows split over a cluster, in one chunk (longer ones: in parts)
             h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
             kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"

@@ -100,6 +100,10 @@ class FwdConfig:
     # one block of 8 vectors per thread, 1x50257 bf16 11.6 / 19.4; more rows keep the block,
     # whose waves fill the GPU (1000x20001 f32 74.1 / 106.7, LN 2670x50257 bf16 380 / 413).
     peel_parts_rows: float = 4.0
+    # Peeled rows of one vector per thread, at most sms * peel_early_rows of them (too few to
+    # fill the GPU: each memory trip waits), read gamma and beta with the row instead of after
+    # its reductions. 0: off.
+    peel_early_rows: float = 1.0
 
     __post_init__ = _check_stage
 

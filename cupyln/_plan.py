@@ -322,10 +322,12 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
-    kern = _compile.kernels(spec, "fwd", config.source)["fwd_peeled"]
+    kerns = _compile.kernels(spec, "fwd", config.source)
+    main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
+        M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
     grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
-    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, "fwd_peeled", kern, grid, block, 0, launch)
+    launch = {"fwd": Launcher(kerns[main], grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

@@ -287,9 +287,12 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
 // middle streams in 16-byte vectors from that boundary, one chunk in registers (NPT vectors per
 // thread). y's rows start at the same offset within 16 bytes as x's (the host's rule), so they
 // peel alike; gamma and beta, aligned at column 0, are read per element (from L1). blockDim.x
-// >= 2 * VEC, N >= 2 * VEC.
-template <typename T, typename W, bool LN, int NPT, int WARP>
+// >= 2 * VEC, N >= 2 * VEC. EARLY (one vector per thread; the planner's choice for rows too few
+// to fill the GPU, which wait on every memory trip): gamma and beta read with the row, in flight
+// during its reductions, not after them.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
+  static_assert(!EARLY || NPT == 1, "early parameters: one vector per thread");
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T);
   const C inv_n = cl_inv_count(C(0), N);
@@ -308,6 +311,18 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
     const C ex = has_e ? to_acc(xr[ec]) : C(0);
     load_row<VEC, NPT>(xr + head, 0, mid, valid, p);
+    // EARLY: this thread's gamma and beta, its vector's elements then its peeled element's
+    C eg[EARLY ? VEC + 1 : 1], eb[EARLY ? VEC + 1 : 1];
+    if constexpr (EARLY) {
+      const cl_i64 col = (cl_i64)t * VEC;
+#pragma unroll
+      for (int j = 0; j <= VEC; ++j) {
+        const bool ok = j < VEC ? valid && col < mid : has_e;
+        const cl_i64 c = j < VEC ? head + col + j : ec;
+        eg[j] = gamma && ok ? to_acc(gamma[c]) : C(1);
+        eb[j] = beta && ok ? to_acc(beta[c]) : C(-0.0);
+      }
+    }
     C n = C(0), mean = C(0), m2 = C(0);
     chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(p, 0, 0, mid, mid, phase, inv_n,
                                                                n, mean, m2, ex, has_e);
@@ -320,7 +335,8 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     }
     // write_peeled's loop, written out: through the helper this kernel compiles to other PTX,
     // and a shared store helper had moved its registers and lost up to 12% (NOTES)
-    auto norm = [&](C v, cl_i64 c) {
+    auto norm = [&](C v, cl_i64 c, int j) {  // j: the element's place in eg / eb (EARLY)
+      if constexpr (EARLY) return cl_fma(v - mu, rstd * eg[j], eb[j]);
       const C scale = rstd * (gamma ? to_acc(gamma[c]) : C(1));
       return cl_fma(v - mu, scale, beta ? to_acc(beta[c]) : C(-0.0));
     };
@@ -331,10 +347,10 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       if (col >= mid) continue;
       C o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j);
+      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j, j);
       store_vec<VEC>(yr + head + col, o);
     }
-    if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
+    if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec, VEC));
   }
 }
 
