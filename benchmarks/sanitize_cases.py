@@ -32,7 +32,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 2, 600000, "bfloat16", None),        # forward parts, or a cluster in chunks
     ("layernorm", 2, 70001, "float32", None),        # single elements: a block per row
     ("layernorm", 1, 140000, "bfloat16", None),      # one row of blocks writes dgamma/dbeta
-    ("layernorm", 37, 3583, "float16", None),        # forward rows peeled (odd N)
+    ("layernorm", 37, 3583, "float16", None),        # forward rows peeled (odd N), few: early
+    ("layernorm", 150, 3583, "bfloat16", "float32"),  # gamma and beta; more rows: late
     ("rmsnorm", 5, 50257, "bfloat16", "float32"),    # (8 vectors per thread)
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)

@@ -102,7 +102,8 @@ class FwdConfig:
     peel_parts_rows: float = 4.0
     # Peeled rows of one vector per thread, at most sms * peel_early_rows of them (too few to
     # fill the GPU: each memory trip waits), read gamma and beta with the row instead of after
-    # its reductions. 0: off.
+    # its reductions: LN 8x3583 f16 5.98 against 6.46 us, 132x3583 bf16 6.43 / 6.83, 100x1001
+    # f32 5.47 / 5.98; even at 264 rows, and 528 lost (10.74 / 9.58). 0: off.
     peel_early_rows: float = 1.0
 
     __post_init__ = _check_stage

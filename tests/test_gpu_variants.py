@@ -626,7 +626,37 @@ def test_peeled_rows_with_y_unlike_x(plans):
         got = cupyln.layer_norm_fwd(x, g, b, out=(y, None, None))
         assert got[0] is y
         assert_close(y, want[0], "y")
-    assert [p.variant for p in plans] == ["fwd_peeled", "fwd"], [p.variant for p in plans]
+    assert [p.variant for p in plans] == ["fwd_peeled_early", "fwd"], [p.variant for p in plans]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt", [
+    (8, 3583, F16, F16), (1, 3583, BF16, F32), (132, 3583, BF16, BF16), (100, 1001, F32, F32),
+    (64, 777, F16, F32), (5, 777, F64, F64)])
+def test_peeled_rows_with_early_parameters(plans, op, M, N, dt, wdt):
+    """Few peeled rows of one vector per thread read gamma and beta with the row (each absent
+    too): the same y, mean and rstd bitwise as the kernel that reads them after the row's
+    reductions (``peel_early_rows=0``), and the reference's."""
+    x_h, _, g_h, b_h = inputs(M, N, dt, wdt)
+    x = cp.asarray(x_h)
+    params = [(g_h, b_h), (None, None), (g_h, None), (None, b_h)] if op == "ln" else \
+        [(g_h, None), (None, None)]
+    for g, b in params:
+        outs = []
+        for early in (1.0, 0):
+            plans.spy("fwd")
+            plans.replan(fwd_peel_early_rows=early)
+            gb = [None if a is None else cp.asarray(a) for a in (g, b)]
+            outs.append(cupyln.layer_norm_fwd(x, *gb, eps=1e-5, config=plans.config)
+                        if op == "ln" else
+                        cupyln.rms_norm_fwd(x, gb[0], eps=1e-5, config=plans.config))
+            want = "fwd_peeled_early" if early else "fwd_peeled"
+            assert [p.variant for p in plans] == [want], [p.variant for p in plans]
+            plans.monkeypatch.undo()
+        assert all(cp.array_equal(a, c) for a, c in zip(*outs, strict=True))
+        ry = (ref.layer_norm_fwd(x_h, g, b, 1e-5) if op == "ln"
+              else ref.rms_norm_fwd(x_h, g, 1e-5))[0]
+        assert_close(outs[0][0], ry, "y")
 
 
 @pytest.mark.parametrize("dt,wdt,N", [(BF16, BF16, 3583), (F16, F32, 3583), (F32, F32, 3583),

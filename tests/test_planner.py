@@ -304,7 +304,7 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
     peeled, else None."""
     plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
     wide = 16 // _dtype(dt).itemsize
-    peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_parts")
+    peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_parts")
     if N % wide == 0 or N < 2 * wide or N // wide > most:
         assert not peeled
     elif sure:
@@ -315,6 +315,8 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 17), WARPS, st.booleans())
 @example("float16", 8, 3583, 32, False)
+@example("float16", 132, 3583, 32, False)
+@example("float16", 133, 3583, 32, False)
 @example("bfloat16", 2670, 50257, 32, False)
 @example("float32", 4096, 4099, 64, True)
 @example("float16", 37460, 3583, 32, False)
@@ -326,7 +328,8 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     any device) wherever one chunk of 16-byte vectors, at most 8 per thread, holds the row
     (certainly from 8 * VEC vectors; never below 2 * VEC elements): at least 2 * VEC threads
     per row (one per peeled element), the threads' vectors covering the row's middle, the grid
-    covering M or at its cap; never rows of 16-byte vectors. Rows longer than one chunk of
+    covering M or at its cap; never rows of 16-byte vectors. Rows of one vector per thread, at
+    most ``sms * peel_early_rows``, read gamma and beta early. Rows longer than one chunk of
     ``npt`` vectors go in parts over the grid where they are at most ``sms *
     peel_parts_rows``, whose blocks of whole warps cover the row's vectors, one row of parts
     per row."""
@@ -347,6 +350,8 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
         assert set(plan.launch) == {"fwd_parts", "fwd"}
         return
     (grid,), (tpr, rpb) = plan.grid, plan.block
+    early = s.npt == 1 and M <= 132 * FWD.peel_early_rows
+    assert (plan.variant == "fwd_peeled_early") == early, (plan.variant, s.npt, M)
     assert s.peeled and s.vec == wide and s.npt in _plan.PEEL_NPTS
     assert tpr >= 2 * wide and tpr * s.npt >= nvec and tpr * rpb <= 1024
     assert tpr % warp == 0 or (tpr < warp and warp % tpr == 0)
