@@ -425,8 +425,8 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     if _driver.max_active_clusters(kerns[main], (1, tiles), block, 0) == 0:
         return None
     grid, smem = (min(M, info.sms * cfg.grid_per_sm), tiles), 0
-    stage = staging_bytes(info, dtype, vec, npt, block[0], 1)
-    if "fwd_cluster_staged" in kerns and stage + 1024 <= info.smem_per_sm:  # one block holds it
+    if main == "fwd_cluster" and "fwd_cluster_staged" in kerns:
+        stage = staging_bytes(info, dtype, vec, npt, block[0], 1)
         resident = _driver.max_active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
                                                stage)
         if resident and stages(cfg.stage, M > resident):
