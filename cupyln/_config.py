@@ -74,8 +74,6 @@ class FwdConfig:
     # blocks gained nothing (256x524288 bf16 278 / 283, 256x262144 f32 237 / 229), nor did 8
     # rows (LN 8x524288 22.0 / 17.4: 7 clusters of 16 fit, a second round for one row).
     cluster_tiles_long: int = 16
-    cluster_long_npt: int = 4
-    cluster_long_ln: bool = False
     cluster_long_min_rows: int = 12
     # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
@@ -174,8 +172,6 @@ class BwdConfig:
     # 1024x131072 bf16 306-310 against 427 us (row sums, then tiles), 1x131072 8.7 / 12.8,
     # 512x65536 f32 131 / 197, fused 1024x131072 bf16 312 / 488.
     cluster_tiles_long: int = 16
-    cluster_long_npt: int = 4
-    cluster_long_ln: bool = False
 
     __post_init__ = _check_stage
 

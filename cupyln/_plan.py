@@ -136,8 +136,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                 if v * t.itemsize == 16 and clusters:  # rows split over a cluster
                     for h in (None, *(h_dtypes(t) if add else ())):
                         for tiles in fwd_cluster_sizes(fc, ln, h):
-                            names.update(Spec(t, w, ln, v, fwd_cluster_npt(fc, tiles), warp,
-                                              tiles, hdtype=h).names("fwd").values())
+                            names.update(Spec(t, w, ln, v, fc.npt, warp, tiles,
+                                              hdtype=h).names("fwd").values())
                 for n in (1, 2, 4):
                     if n <= fc.npt:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
@@ -384,12 +384,7 @@ def fwd_cluster_sizes(cfg: FwdConfig, is_ln, hdtype):
     """The forward's cluster sizes: the larger one for RMSNorm alone, without the fused add
     (the cases it was measured to win)."""
     sizes = cluster_sizes(cfg)
-    return sizes if (not is_ln or cfg.cluster_long_ln) and hdtype is None else sizes[:1]
-
-
-def fwd_cluster_npt(cfg: FwdConfig, tiles):
-    """Vectors per thread of the forward's rows split over ``tiles`` blocks."""
-    return cfg.cluster_long_npt if tiles > cfg.cluster_tiles else cfg.npt
+    return sizes if not is_ln and hdtype is None else sizes[:1]
 
 
 def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, is_ln, hdtype, vec, g, M, N):
@@ -400,7 +395,7 @@ def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, is_ln, hdtype, vec, g, M, N):
     if not (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits):
         return 0
     tiles = next((t for t in fwd_cluster_sizes(cfg, is_ln, hdtype)
-                  if N // vec <= t * cfg.tpr_max * fwd_cluster_npt(cfg, t)), 0)
+                  if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
     return tiles if tiles <= cfg.cluster_tiles or M >= cfg.cluster_long_min_rows else 0
 
 
@@ -414,24 +409,24 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, hdtype, vec, g, M, N)
     if not tiles:
         return None
-    npt = fwd_cluster_npt(cfg, tiles)
-    tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
+    tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     if hdtype is not None and tpr >= cfg.tpr_max and M > info.sms * cfg.cluster_few_rows:
         return None  # nothing overlaps the exchanges: split only where SMs would idle
     main = "fwd_cluster"
     block = (tpr, 1)
-    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, hip=info.hip, hdtype=hdtype)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
+                hdtype=hdtype)
     kerns = _compile.kernels(spec, "fwd", config.source)
     if _driver.max_active_clusters(kerns[main], (1, tiles), block, 0) == 0:
         return None
     grid, smem = (min(M, info.sms * cfg.grid_per_sm), tiles), 0
     if main == "fwd_cluster" and "fwd_cluster_staged" in kerns:
-        stage = staging_bytes(info, dtype, vec, npt, block[0], 1)
+        stage = staging_bytes(info, dtype, vec, cfg.npt, block[0], 1)
         resident = _driver.max_active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
                                                stage)
         if resident and stages(cfg.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
-    if main + "_full" in kerns and cfg.full and N % (tiles * tpr * npt * vec) == 0:
+    if main + "_full" in kerns and cfg.full and N % (tiles * tpr * cfg.npt * vec) == 0:
         main += "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(args, dtype))}
