@@ -366,7 +366,7 @@ def host_us_per_call(fn, calls=2000):
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def host_rows(torch):
+def host_rows(torch, with_liger=False):
     x, dy, g, b = make_inputs(32, 512, np.float16)
     y, mean, rstd = cupyln.layer_norm_fwd(x, g, b)
     fo = (cp.empty_like(x), cp.empty(32, cp.float32), cp.empty(32, cp.float32))
@@ -377,9 +377,8 @@ def host_rows(torch):
             ("cupyln", "bwd_host_out",
              lambda: cupyln.layer_norm_bwd(dy, x, g, mean, rstd, out=bo))]
     if torch is not None:
-        import cupyln.torch as ct
-
-        mods = {"cupyln.torch": ct.LayerNorm(512), "torch.nn": torch.nn.LayerNorm(512)}
+        mods = {prov: cls(512) for prov, cls in _modules(torch, "layernorm", 512,
+                                                        with_liger).items()}
         mx = torch.randn(32, 512, device="cuda", dtype=torch.float16, requires_grad=True)
         mdy = torch.randn_like(mx)
         for prov, m in mods.items():
@@ -515,7 +514,7 @@ def run(shapes, progress=True, sweep=()):
         del x, dy, g, b
         cp.get_default_memory_pool().free_all_blocks()
     rows += module_rows(torch, liger is not None)
-    rows += host_rows(torch)
+    rows += host_rows(torch, liger is not None)
     rows += compile_rows()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     return {
