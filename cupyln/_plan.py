@@ -237,6 +237,22 @@ def stages(mode, rule):
     return mode == "always" or (mode == "auto" and rule)
 
 
+def _staged_grid(cfg: FwdConfig, info, direct, staged, g, stage, M):
+    """The grid of the forward's staged rows (``stage`` bytes of buffers, the kernels
+    ``direct`` / ``staged``): resident blocks looping over the rows, where ``cfg.stage`` says so
+    ("auto": one direct block fills an SM, so nothing else hides its reductions, and the rows
+    outnumber the resident blocks') and one block's shared memory holds the buffers; else
+    None."""
+    if not stage or stage + 1024 > info.smem_per_sm:
+        return None
+    threads = g.tpr * g.rpb
+    resident = info.sms * blocks_per_sm(staged, threads, stage, info)
+    alone = blocks_per_sm(direct, threads, 0, info) == 1
+    if not stages(cfg.stage, alone and M > resident * g.rpb):
+        return None
+    return (min(cdiv(M, g.rpb), resident),)
+
+
 # ----------------------------------------------------------------------------- plans
 
 
@@ -325,9 +341,14 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     kerns = _compile.kernels(spec, "fwd", config.source)
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
-    grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
-    launch = {"fwd": Launcher(kerns[main], grid, block, 0, _kinds(_FWD_ARGS, dtype))}
-    return Plan(spec, main, kerns[main], grid, block, 0, launch)
+    grid, block, smem = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb), 0
+    if "fwd_peeled_staged" in kerns:
+        stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
+        staged = _staged_grid(cfg, info, kerns[main], kerns["fwd_peeled_staged"], g, stage, M)
+        if staged:
+            main, smem, grid = "fwd_peeled_staged", stage, staged
+    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -357,15 +378,11 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     kerns = _compile.kernels(spec, "fwd", config.source)
     main = "fwd_row" if rg else "fwd" if g.fits else "fwd_chunked"
     block, smem = (g.tpr, g.rpb), 0
-    staged = main == "fwd" and "fwd_staged" in kerns
-    stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb) if staged else 0
-    if stage:
-        threads = g.tpr * g.rpb
-        resident = info.sms * blocks_per_sm(kerns["fwd_staged"], threads, stage, info)
-        alone = blocks_per_sm(kerns[main], threads, 0, info) == 1
-        if stages(cfg.stage, alone and M > resident * g.rpb):
-            main, smem = "fwd_staged", stage
-            grid = (min(cdiv(M, g.rpb), resident),)
+    if main == "fwd" and "fwd_staged" in kerns:
+        stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
+        staged = _staged_grid(cfg, info, kerns[main], kerns["fwd_staged"], g, stage, M)
+        if staged:
+            main, smem, grid = "fwd_staged", stage, staged
     if main == "fwd" and "fwd_early" in kerns and cfg.early:
         main = "fwd_early"
     if main + "_full" in kerns and cfg.full and N % (g.tpr * g.npt * vec) == 0:

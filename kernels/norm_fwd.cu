@@ -289,8 +289,12 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
 // peel alike; gamma and beta, aligned at column 0, are read per element (from L1). blockDim.x
 // >= 2 * VEC, N >= 2 * VEC. EARLY (one vector per thread; the planner's choice for rows too few
 // to fill the GPU, which wait on every memory trip): gamma and beta read with the row, in flight
-// during its reductions, not after them.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false>
+// during its reductions, not after them. STAGE (the planner's choice where one block fills an
+// SM): the resident blocks loop over rows, the next row's middle copied ahead (cp.async) into one
+// of two buffers of [NPT][threads] packs in dynamic shared memory, so that its loads overlap
+// this row's reductions and stores.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
+          bool STAGE = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   static_assert(!EARLY || NPT == 1, "early parameters: one vector per thread");
   typedef typename Acc<T>::type C;
@@ -299,6 +303,22 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   const int t = threadIdx.x;
   typename RowVec<T, VEC>::type p[NPT];
+  typedef Pack<T, VEC> P;
+  constexpr bool STAGED = STAGE && CLN_ASYNC_COPY;
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  P* stage = reinterpret_cast<P*>(cl_smem);
+  const int threads = blockDim.x * blockDim.y;
+  auto prefetch = [&](cl_i64 row, int b) {  // the middle of `row` into buffer b
+    if constexpr (STAGED) {
+      const bool ok = row < M;
+      const T* r = x + (ok ? row : 0) * ldx;
+      const int h = peel_head(r);
+      stage_packs<VEC, NPT>(stage + b * NPT * threads, r + h, 0, (N - h) / VEC * VEC, ok);
+      async_commit();
+    }
+  };
+  if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
+  prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
   int phase = 0;
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step, ++phase) {
     const cl_i64 row = base + threadIdx.y;
@@ -310,7 +330,15 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
     const C ex = has_e ? to_acc(xr[ec]) : C(0);
-    load_row<VEC, NPT>(xr + head, 0, mid, valid, p);
+    if constexpr (STAGED) {
+      prefetch(row + step, (phase + 1) & 1);
+      async_wait<1>();  // this row's copies have landed; the next row's stay in flight
+      const P* src = stage + (phase & 1) * NPT * threads + threadIdx.y * blockDim.x + t;
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
+    } else {
+      load_row<VEC, NPT>(xr + head, 0, mid, valid, p);
+    }
     // EARLY: this thread's gamma and beta, its vector's elements then its peeled element's
     C eg[EARLY ? VEC + 1 : 1], eb[EARLY ? VEC + 1 : 1];
     if constexpr (EARLY) {
@@ -352,6 +380,8 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     }
     if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec, VEC));
   }
+  // the copies past the last row (zero fills) land before the block exits
+  if constexpr (STAGED) async_wait<0>();
 }
 
 // The fused residual add (fwd_rows' ADD), h in H: rows of one chunk, NPT vectors per thread,

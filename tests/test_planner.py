@@ -304,7 +304,8 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
     peeled, else None."""
     plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
     wide = 16 // _dtype(dt).itemsize
-    peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_parts")
+    peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_staged",
+                              "fwd_peeled_parts")
     if N % wide == 0 or N < 2 * wide or N // wide > most:
         assert not peeled
     elif sure:
@@ -317,6 +318,9 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
 @example("float16", 8, 3583, 32, False)
 @example("float16", 132, 3583, 32, False)
 @example("float16", 133, 3583, 32, False)
+@example("float16", 133, 50257, 32, False)
+@example("bfloat16", 2670, 50257, 64, False)
+@example("float32", 3000, 32001, 32, False)
 @example("bfloat16", 2670, 50257, 32, False)
 @example("float32", 4096, 4099, 64, True)
 @example("float16", 37460, 3583, 32, False)
@@ -329,7 +333,9 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     (certainly from 8 * VEC vectors; never below 2 * VEC elements): at least 2 * VEC threads
     per row (one per peeled element), the threads' vectors covering the row's middle, the grid
     covering M or at its cap; never rows of 16-byte vectors. Rows of one vector per thread, at
-    most ``sms * peel_early_rows``, read gamma and beta early. Rows longer than one chunk of
+    most ``sms * peel_early_rows``, read gamma and beta early. Rows of which one block fills an
+    SM, more than its resident blocks hold, stage (their two buffers within one block's shared
+    memory): resident blocks looping over the rows. Rows longer than one chunk of
     ``npt`` vectors go in parts over the grid where they are at most ``sms *
     peel_parts_rows``, whose blocks of whole warps cover the row's vectors, one row of parts
     per row."""
@@ -352,10 +358,16 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     (grid,), (tpr, rpb) = plan.grid, plan.block
     early = s.npt == 1 and M <= 132 * FWD.peel_early_rows
     assert (plan.variant == "fwd_peeled_early") == early, (plan.variant, s.npt, M)
+    # one direct block per SM: the mocked kernels' 64 registers, past 512 threads
+    stage = 2 * s.npt * tpr * rpb * 16
+    staged = s.npt > 1 and not hip and tpr * rpb > 512 and M > 132 * rpb and \
+        stage + 1024 <= _SMEM_PER_SM
+    assert (plan.variant == "fwd_peeled_staged") == staged, (plan.variant, tpr, s.npt, M)
+    assert plan.smem == (stage if staged else 0)
     assert s.peeled and s.vec == wide and s.npt in _plan.PEEL_NPTS
     assert tpr >= 2 * wide and tpr * s.npt >= nvec and tpr * rpb <= 1024
     assert tpr % warp == 0 or (tpr < warp and warp % tpr == 0)
-    assert grid * rpb >= M or grid == 132 * FWD.grid_per_sm
+    assert grid == 132 if staged else grid * rpb >= M or grid == 132 * FWD.grid_per_sm
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
