@@ -34,6 +34,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 1, 140000, "bfloat16", None),      # one row of blocks writes dgamma/dbeta
     ("layernorm", 37, 3583, "float16", None),        # forward rows peeled (odd N), few: early
     ("layernorm", 150, 3583, "bfloat16", "float32"),  # gamma and beta; more rows: late
+    ("layernorm", 140, 20001, "float16", None),      # peeled rows staged (looping blocks)
     ("rmsnorm", 5, 50257, "bfloat16", "float32"),    # (8 vectors per thread)
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)
@@ -69,7 +70,8 @@ for op, M, N, dt, wdt in CASES:
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
         # (forward; backward row sums), or without csum not
         parts = 2.0 if csum else 0
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0),
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0,
+                                      peel_stage_spill=1 << 20),  # staged peeled rows, any
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       peel_rows=8 if csum else 0))  # peeled rows: few too

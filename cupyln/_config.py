@@ -105,6 +105,12 @@ class FwdConfig:
     # its reductions: LN 8x3583 f16 5.98 against 6.46 us, 132x3583 bf16 6.43 / 6.83, 100x1001
     # f32 5.47 / 5.98; even at 264 rows, and 528 lost (10.74 / 9.58). 0: off.
     peel_early_rows: float = 1.0
+    # Peeled rows stage as the aligned rows do (`stage`: the next row copied ahead where one
+    # block fills an SM), where the staged kernel spills at most `peel_stage_spill` bytes per
+    # thread: RMS 2670x50257 bf16 200.2 against 339.6 us (no spill), LN 4000x20001 f16 189.7 /
+    # 198.2 (16 bytes), 1000x20001 f32 72.9 / 74.0 (8); LN 2670x50257 bf16, 152 bytes, lost
+    # (405.9 / 380.1).
+    peel_stage_spill: int = 16
 
     __post_init__ = _check_stage
 

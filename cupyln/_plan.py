@@ -342,7 +342,8 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
     grid, block, smem = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb), 0
-    if "fwd_peeled_staged" in kerns:
+    if "fwd_peeled_staged" in kerns and int(getattr(
+            kerns["fwd_peeled_staged"], "local_size_bytes", 0) or 0) <= cfg.peel_stage_spill:
         stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
         staged = _staged_grid(cfg, info, kerns[main], kerns["fwd_peeled_staged"], g, stage, M)
         if staged:

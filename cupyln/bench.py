@@ -478,9 +478,11 @@ def load_shapes(path=None):
 
 
 # The sweep of the plot's second panel: LayerNorm bfloat16 rows of N from 256 to 1,048,576 (and
-# two lengths no vector width divides) at M * N = 2^27 elements, the plain passes only.
+# two lengths no vector width divides, RMSNorm's too) at M * N = 2^27 elements, the plain passes
+# only.
 SWEEP = [("layernorm", 2**27 // n, n, "bfloat16")
-         for n in sorted([2**k for k in range(8, 21)] + [3583, 50257])]
+         for n in sorted([2**k for k in range(8, 21)] + [3583, 50257])] + \
+    [("rmsnorm", 2**27 // n, n, "bfloat16") for n in (3583, 50257)]
 
 
 def run(shapes, progress=True, sweep=()):

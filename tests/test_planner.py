@@ -371,6 +371,17 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
+def test_peeled_rows_stage_only_where_the_staged_kernel_keeps_its_registers(monkeypatch):
+    """Peeled rows that would stage take the direct kernel where the staged one spills more
+    than ``peel_stage_spill`` bytes per thread (LayerNorm's long 16-bit rows: they lost)."""
+    def variant(spill):
+        monkeypatch.setattr(_FakeKernel, "local_size_bytes", spill, raising=False)
+        return _plan_without_gpu("fwd", "bfloat16", 2670, 50257, 32, peel=True)[0].variant
+
+    assert variant(FWD.peel_stage_spill) == "fwd_peeled_staged"
+    assert variant(FWD.peel_stage_spill + 8) == "fwd_peeled"
+
+
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
        st.integers(1, 1 << 14), WARPS, st.booleans())
 @example("float16", 8, 3583, 32, False)
