@@ -30,9 +30,10 @@ __device__ __forceinline__ void tile_allreduce(C (&v)[1], int phase) {
 // block's part from t0), whose sums cluster_allreduce adds.
 // EDGE: one more element `ex` of the row in this thread (a peeled head or tail element, where
 // `has_ex`), counted in `inv_cnt` but outside the vectors.
+// `p[k]`: the thread's k-th vector (an array in registers, or a SmemRow).
 template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, bool FULL, int TPR, int CL,
           bool EDGE = false, typename R, typename C>
-__device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64 t0, cl_i64 N,
+__device__ __forceinline__ void chunk_stats(const R& p, cl_i64 c0, cl_i64 t0, cl_i64 N,
                                             cl_i64 chunk, int phase, C inv_cnt, C& n, C& mean,
                                             C& m2, C ex = C(0), bool has_ex = false) {
   C s[1] = {C(0)};
@@ -75,6 +76,14 @@ __device__ __forceinline__ void chunk_stats(const R (&p)[NPT], cl_i64 c0, cl_i64
 }
 
 template <bool B> struct BoolC { static constexpr bool value = B; };
+
+// A thread's packs of a staged row read from shared memory where used (its slots, `stride`
+// apart), not held in registers: what spilled there is read again from shared memory instead.
+template <typename P> struct SmemRow {
+  const P* base;
+  int stride;
+  __device__ __forceinline__ P operator[](int k) const { return base[k * stride]; }
+};
 
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
 // they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
@@ -330,12 +339,12 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
     const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    // STAGED: the row's packs stay in shared memory, read by each pass (this thread's slots)
+    const SmemRow<P> sp{stage + (phase & 1) * NPT * threads + threadIdx.y * blockDim.x + t,
+                        threads};
     if constexpr (STAGED) {
       prefetch(row + step, (phase + 1) & 1);
       async_wait<1>();  // this row's copies have landed; the next row's stay in flight
-      const P* src = stage + (phase & 1) * NPT * threads + threadIdx.y * blockDim.x + t;
-#pragma unroll
-      for (int k = 0; k < NPT; ++k) to_row(src[k * threads], p[k]);
     } else {
       load_row<VEC, NPT>(xr + head, 0, mid, valid, p);
     }
@@ -352,8 +361,12 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       }
     }
     C n = C(0), mean = C(0), m2 = C(0);
-    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(p, 0, 0, mid, mid, phase, inv_n,
-                                                               n, mean, m2, ex, has_e);
+    if constexpr (STAGED)
+      chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(sp, 0, 0, mid, mid, phase, inv_n,
+                                                                 n, mean, m2, ex, has_e);
+    else
+      chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(p, 0, 0, mid, mid, phase, inv_n,
+                                                                 n, mean, m2, ex, has_e);
     const C mu = LN ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (!valid) continue;
@@ -375,7 +388,10 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
       if (col >= mid) continue;
       C o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = norm((C)elem(p[k], j), head + col + j, j);
+      for (int j = 0; j < VEC; ++j) {
+        const C v = STAGED ? (C)elem(sp[k], j) : (C)elem(p[k], j);
+        o[j] = norm(v, head + col + j, j);
+      }
       store_vec<VEC>(yr + head + col, o);
     }
     if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec, VEC));
