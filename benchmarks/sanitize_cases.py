@@ -70,8 +70,7 @@ for op, M, N, dt, wdt in CASES:
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
         # (forward; backward row sums), or without csum not
         parts = 2.0 if csum else 0
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0,
-                                      peel_stage_spill=1 << 20),  # staged peeled rows, any
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       peel_rows=8 if csum else 0))  # peeled rows: few too

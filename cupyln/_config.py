@@ -41,7 +41,11 @@ class FwdConfig:
     grid_per_sm: int = 1024
     # Staged rows (cp.async into shared memory, the resident blocks looping over rows): "auto"
     # where only one direct block fits on an SM, so nothing else hides its reductions
-    # (4096x32768 f16: 150 against 173 us); elsewhere direct blocks overlap and win.
+    # (4096x32768 f16: 150 against 173 us); elsewhere direct blocks overlap and win. Peeled rows
+    # of several vectors per thread stage wherever they outnumber the resident blocks (their
+    # staged kernel reads the row from shared memory in each pass, the direct one spills):
+    # LN 2670x50257 bf16 276.5 against 379.7 us, f16 278.9 / 664.1, RMS bf16 196.0 / 339.3,
+    # LN 6000x12001 bf16 134.2 / 158.1 (two blocks per SM), 4000x20001 f16 165.0 / 198.2.
     stage: str = "auto"
     # gamma/beta loaded with the row for 4-byte and wider types (4096x1024 f32: 10% faster);
     # 2-byte types spill their held packs and lose.
@@ -105,12 +109,6 @@ class FwdConfig:
     # its reductions: LN 8x3583 f16 5.98 against 6.46 us, 132x3583 bf16 6.43 / 6.83, 100x1001
     # f32 5.47 / 5.98; even at 264 rows, and 528 lost (10.74 / 9.58). 0: off.
     peel_early_rows: float = 1.0
-    # Peeled rows stage as the aligned rows do (`stage`: the next row copied ahead where one
-    # block fills an SM), where the staged kernel spills at most `peel_stage_spill` bytes per
-    # thread: RMS 2670x50257 bf16 200.2 against 339.6 us (no spill), LN 4000x20001 f16 189.7 /
-    # 198.2 (16 bytes), 1000x20001 f32 72.9 / 74.0 (8); LN 2670x50257 bf16, 152 bytes, lost
-    # (405.9 / 380.1).
-    peel_stage_spill: int = 16
 
     __post_init__ = _check_stage
 

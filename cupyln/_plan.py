@@ -239,15 +239,15 @@ def stages(mode, rule):
 
 def _staged_grid(cfg: FwdConfig, info, direct, staged, g, stage, M):
     """The grid of the forward's staged rows (``stage`` bytes of buffers, the kernels
-    ``direct`` / ``staged``): resident blocks looping over the rows, where ``cfg.stage`` says so
-    ("auto": one direct block fills an SM, so nothing else hides its reductions, and the rows
-    outnumber the resident blocks') and one block's shared memory holds the buffers; else
-    None."""
+    ``direct`` / ``staged``; ``direct`` None: the peeled rows' rule): resident blocks looping
+    over the rows, where ``cfg.stage`` says so ("auto": the rows outnumber the resident blocks',
+    and for aligned rows one direct block fills an SM, so nothing else hides its reductions)
+    and one block's shared memory holds the buffers; else None."""
     if not stage or stage + 1024 > info.smem_per_sm:
         return None
     threads = g.tpr * g.rpb
     resident = info.sms * blocks_per_sm(staged, threads, stage, info)
-    alone = blocks_per_sm(direct, threads, 0, info) == 1
+    alone = direct is None or blocks_per_sm(direct, threads, 0, info) == 1
     if not stages(cfg.stage, alone and M > resident * g.rpb):
         return None
     return (min(cdiv(M, g.rpb), resident),)
@@ -342,10 +342,9 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
     grid, block, smem = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb), 0
-    if "fwd_peeled_staged" in kerns and int(getattr(
-            kerns["fwd_peeled_staged"], "local_size_bytes", 0) or 0) <= cfg.peel_stage_spill:
+    if "fwd_peeled_staged" in kerns:
         stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
-        staged = _staged_grid(cfg, info, kerns[main], kerns["fwd_peeled_staged"], g, stage, M)
+        staged = _staged_grid(cfg, info, None, kerns["fwd_peeled_staged"], g, stage, M)
         if staged:
             main, smem, grid = "fwd_peeled_staged", stage, staged
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
