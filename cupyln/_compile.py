@@ -130,7 +130,7 @@ class Spec(NamedTuple):
             names = {"fwd_peeled": f"{a}>"}
             if self.npt == 1:  # few rows: gamma and beta read with the row
                 names["fwd_peeled_early"] = f"{a}, cln::params_early>"
-            elif self.stages:  # long rows, a block per SM: the next row copied ahead
+            elif self.stages:  # rows past the resident blocks: the next row copied ahead
                 names["fwd_peeled_staged"] = f"{a}, cln::params_late, cln::staged>"
             return names
         if self.tiles > 1:  # rows split over a cluster, in one chunk (longer ones: in parts)

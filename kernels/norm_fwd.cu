@@ -298,10 +298,11 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
 // peel alike; gamma and beta, aligned at column 0, are read per element (from L1). blockDim.x
 // >= 2 * VEC, N >= 2 * VEC. EARLY (one vector per thread; the planner's choice for rows too few
 // to fill the GPU, which wait on every memory trip): gamma and beta read with the row, in flight
-// during its reductions, not after them. STAGE (the planner's choice where one block fills an
-// SM): the resident blocks loop over rows, the next row's middle copied ahead (cp.async) into one
-// of two buffers of [NPT][threads] packs in dynamic shared memory, so that its loads overlap
-// this row's reductions and stores.
+// during its reductions, not after them. STAGE (several vectors per thread; the planner's choice
+// where the rows outnumber the resident blocks): the resident blocks loop over rows, the next
+// row's middle copied ahead (cp.async) into one of two buffers of [NPT][threads] packs in
+// dynamic shared memory, so that its loads overlap this row's reductions and stores; each pass
+// reads the row from its buffer (SmemRow), no registers held for it.
 template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
           bool STAGE = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
