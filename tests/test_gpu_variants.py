@@ -629,6 +629,24 @@ def test_peeled_rows_with_y_unlike_x(plans):
     assert [p.variant for p in plans] == ["fwd_peeled_early", "fwd"], [p.variant for p in plans]
 
 
+def _peeled_fwd_alike(plans, op, x_h, x, g_h, b_h, configs):
+    """The forward of x (its host copy x_h) under each of ``configs`` (the config's fields, and
+    the variant it must plan): y, mean and rstd the same bitwise under all, y the reference's."""
+    g, b = (None if a is None else cp.asarray(a) for a in (g_h, b_h))
+    outs = []
+    for fields, want in configs:
+        plans.spy("fwd")
+        plans.replan(**fields)
+        outs.append(cupyln.layer_norm_fwd(x, g, b, eps=1e-5, config=plans.config)
+                    if op == "ln" else cupyln.rms_norm_fwd(x, g, eps=1e-5, config=plans.config))
+        assert [p.variant for p in plans] == [want], [p.variant for p in plans]
+        plans.monkeypatch.undo()
+    assert all(cp.array_equal(a, c) for o in outs[1:] for a, c in zip(outs[0], o, strict=True))
+    ry = (ref.layer_norm_fwd(x_h, g_h, b_h, 1e-5) if op == "ln"
+          else ref.rms_norm_fwd(x_h, g_h, 1e-5))[0]
+    assert_close(outs[0][0], ry, "y")
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [
     (8, 3583, F16, F16), (1, 3583, BF16, F32), (132, 3583, BF16, BF16), (100, 1001, F32, F32),
@@ -638,25 +656,12 @@ def test_peeled_rows_with_early_parameters(plans, op, M, N, dt, wdt):
     too): the same y, mean and rstd bitwise as the kernel that reads them after the row's
     reductions (``peel_early_rows=0``), and the reference's."""
     x_h, _, g_h, b_h = inputs(M, N, dt, wdt)
-    x = cp.asarray(x_h)
     params = [(g_h, b_h), (None, None), (g_h, None), (None, b_h)] if op == "ln" else \
         [(g_h, None), (None, None)]
     for g, b in params:
-        outs = []
-        for early in (1.0, 0):
-            plans.spy("fwd")
-            plans.replan(fwd_peel_early_rows=early)
-            gb = [None if a is None else cp.asarray(a) for a in (g, b)]
-            outs.append(cupyln.layer_norm_fwd(x, *gb, eps=1e-5, config=plans.config)
-                        if op == "ln" else
-                        cupyln.rms_norm_fwd(x, gb[0], eps=1e-5, config=plans.config))
-            want = "fwd_peeled_early" if early else "fwd_peeled"
-            assert [p.variant for p in plans] == [want], [p.variant for p in plans]
-            plans.monkeypatch.undo()
-        assert all(cp.array_equal(a, c) for a, c in zip(*outs, strict=True))
-        ry = (ref.layer_norm_fwd(x_h, g, b, 1e-5) if op == "ln"
-              else ref.rms_norm_fwd(x_h, g, 1e-5))[0]
-        assert_close(outs[0][0], ry, "y")
+        _peeled_fwd_alike(plans, op, x_h, cp.asarray(x_h), g, b,
+                          [({"fwd_peel_early_rows": 1.0}, "fwd_peeled_early"),
+                           ({"fwd_peel_early_rows": 0}, "fwd_peeled")])
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -668,20 +673,9 @@ def test_peeled_rows_staged(plans, op, M, N, dt, wdt, extra):
     the direct kernel's, and the reference's."""
     x_h, _, g_h, b_h = inputs(M, N, dt, wdt)
     x = _padded(cp.asarray(x_h), extra) if extra else cp.asarray(x_h)
-    g, b = cp.asarray(g_h), cp.asarray(b_h) if op == "ln" else None
-    outs = []
-    for stage in ("auto", "never"):
-        plans.spy("fwd")
-        plans.replan(fwd_stage=stage)
-        outs.append(cupyln.layer_norm_fwd(x, g, b, config=plans.config) if op == "ln" else
-                    cupyln.rms_norm_fwd(x, g, eps=1e-5, config=plans.config))
-        want = "fwd_peeled_staged" if stage == "auto" else "fwd_peeled"
-        assert [p.variant for p in plans] == [want], [p.variant for p in plans]
-        plans.monkeypatch.undo()
-    assert all(cp.array_equal(a, c) for a, c in zip(*outs, strict=True))
-    ry = (ref.layer_norm_fwd(x_h, g_h, b_h, 1e-5) if op == "ln"
-          else ref.rms_norm_fwd(x_h, g_h, 1e-5))[0]
-    assert_close(outs[0][0], ry, "y")
+    _peeled_fwd_alike(plans, op, x_h, x, g_h, b_h if op == "ln" else None,
+                      [({"fwd_stage": "auto"}, "fwd_peeled_staged"),
+                       ({"fwd_stage": "never"}, "fwd_peeled")])
 
 
 @pytest.mark.parametrize("dt,wdt,N", [(BF16, BF16, 3583), (F16, F32, 3583), (F32, F32, 3583),
