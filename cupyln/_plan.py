@@ -237,20 +237,18 @@ def stages(mode, rule):
     return mode == "always" or (mode == "auto" and rule)
 
 
-def _staged_grid(cfg: FwdConfig, info, direct, staged, g, stage, M):
-    """The grid of the forward's staged rows (``stage`` bytes of buffers, the kernels
-    ``direct`` / ``staged``; ``direct`` None: the peeled rows' rule): resident blocks looping
-    over the rows, where ``cfg.stage`` says so ("auto": the rows outnumber the resident blocks',
-    and for aligned rows one direct block fills an SM, so nothing else hides its reductions)
-    and one block's shared memory holds the buffers; else None."""
+def _staged(cfg: FwdConfig, info, kern, dtype, vec, g, M, alone=True):
+    """(dynamic shared memory, grid) of the forward's rows staged by ``kern``: resident blocks
+    looping over the rows, where ``cfg.stage`` says so ("auto": the rows outnumber the resident
+    blocks', and ``alone``, for aligned rows: one direct block fills an SM, so nothing else
+    hides its reductions) and one block's shared memory holds the two buffers; else None."""
+    stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
     if not stage or stage + 1024 > info.smem_per_sm:
         return None
-    threads = g.tpr * g.rpb
-    resident = info.sms * blocks_per_sm(staged, threads, stage, info)
-    alone = direct is None or blocks_per_sm(direct, threads, 0, info) == 1
+    resident = info.sms * blocks_per_sm(kern, g.tpr * g.rpb, stage, info)
     if not stages(cfg.stage, alone and M > resident * g.rpb):
         return None
-    return (min(cdiv(M, g.rpb), resident),)
+    return stage, (min(cdiv(M, g.rpb), resident),)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -342,11 +340,11 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
     grid, block, smem = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb), 0
-    if "fwd_peeled_staged" in kerns:
-        stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
-        staged = _staged_grid(cfg, info, None, kerns["fwd_peeled_staged"], g, stage, M)
-        if staged:
-            main, smem, grid = "fwd_peeled_staged", stage, staged
+    # staged wherever the rows outnumber the resident blocks: the direct kernel spills
+    staged = "fwd_peeled_staged" in kerns and _staged(cfg, info, kerns["fwd_peeled_staged"],
+                                                      dtype, vec, g, M)
+    if staged:
+        main, (smem, grid) = "fwd_peeled_staged", staged
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
@@ -379,10 +377,10 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
     main = "fwd_row" if rg else "fwd" if g.fits else "fwd_chunked"
     block, smem = (g.tpr, g.rpb), 0
     if main == "fwd" and "fwd_staged" in kerns:
-        stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
-        staged = _staged_grid(cfg, info, kerns[main], kerns["fwd_staged"], g, stage, M)
+        alone = blocks_per_sm(kerns[main], g.tpr * g.rpb, 0, info) == 1
+        staged = _staged(cfg, info, kerns["fwd_staged"], dtype, vec, g, M, alone)
         if staged:
-            main, smem, grid = "fwd_staged", stage, staged
+            main, (smem, grid) = "fwd_staged", staged
     if main == "fwd" and "fwd_early" in kerns and cfg.early:
         main = "fwd_early"
     if main + "_full" in kerns and cfg.full and N % (g.tpr * g.npt * vec) == 0:
