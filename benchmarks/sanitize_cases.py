@@ -42,6 +42,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 20, 131072, "bfloat16", None),     # backward in 16-block clusters, staged;
                                                      # forward clusters of whole chunks
     ("rmsnorm", 3, 300000, "bfloat16", None),        # forward in 16-block clusters (any M here)
+    ("layernorm", 20, 262152, "float32", None),      # forward rows in a cluster's shared memory
+    ("rmsnorm", 31, 300008, "float16", "float32"),   # (16 or 8 blocks, rings of 9 or 16 slots)
     ("layernorm", 40, 16384, "bfloat16", "float32"),
     ("layernorm", 150, 16384, "float16", None),      # staged clusters over several rows
     ("rmsnorm", 5, 40000, "bfloat16", "float32"),
@@ -70,7 +72,10 @@ for op, M, N, dt, wdt in CASES:
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
         # (forward; backward row sums), or without csum not
         parts = 2.0 if csum else 0
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0),
+        # rows held in a cluster's shared memory for any M, without csum in short rings
+        resident = {} if csum else dict(resident_rows=0, resident_slots=9)
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0,
+                                      **resident),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       peel_rows=8 if csum else 0))  # peeled rows: few too

@@ -42,6 +42,7 @@ class Spec(NamedTuple):
     hdtype: np.dtype | None = None  # forward: the fused residual add's h (its kernels alone)
     residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
     peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
+    resident: bool = False  # forward: rows held in a cluster's shared memory (its kernel alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -133,6 +134,9 @@ class Spec(NamedTuple):
             elif self.stages:  # rows past the resident blocks: the next row copied ahead
                 names["fwd_peeled_staged"] = f"{a}, cln::params_late, cln::staged>"
             return names
+        if self.resident:  # rows split over a cluster, in its shared memory
+            return {"fwd_resident": f"norm_fwd_resident<{t}, {w}, {_op(self.is_ln)}, "
+                                    f"{self.npt}, {self.warp}, {self.tiles}>"}
         if self.tiles > 1:  # rows split over a cluster, in one chunk (longer ones: in parts)
             h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
             kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
@@ -189,7 +193,8 @@ class Spec(NamedTuple):
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
             + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
             + (f", h={self.hdtype}" if self.hdtype is not None else "")
-            + (", peeled" if self.peeled else "") + (", dresidual]" if self.residual else "]")
+            + (", peeled" if self.peeled else "") + (", resident" if self.resident else "")
+            + (", dresidual]" if self.residual else "]")
         )
 
 
@@ -240,10 +245,11 @@ def kernels(spec, pass_, text=None):
 # ----------------------------------------------------------------------------- offline checks
 
 
-def compile_nvrtc(names, arch, text=None):
-    """Compile the kernels named by ``names`` with NVRTC for ``arch`` (e.g. 'sm_90'); no GPU
-    needed. Returns the lowered (mangled) names; raises RuntimeError with NVRTC's log on failure.
-    """
+def compile_nvrtc(names, arch, text=None, ptx=None):
+    """Compile the kernels named by ``names`` with NVRTC for ``arch`` (e.g. 'sm_90', or
+    'compute_80' for PTX alone); no GPU needed. Returns the lowered (mangled) names, and puts
+    the PTX text in the list ``ptx`` where given; raises RuntimeError with NVRTC's log on
+    failure."""
     from cupy_backends.cuda.libs import nvrtc
 
     names = sorted(names)
@@ -255,6 +261,8 @@ def compile_nvrtc(names, arch, text=None):
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *OPTIONS])
         except Exception as e:
             raise RuntimeError(f"NVRTC {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
+        if ptx is not None:
+            ptx.append(nvrtc.getPTX(prog).decode(errors="replace"))
         return {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:
         nvrtc.destroyProgram(prog)

@@ -83,6 +83,19 @@ class FwdConfig:
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
     # (fused RMSNorm 512x262144 bf16: 391 against 342 us unsplit).
     cluster_few_rows: float = 0.5
+    # Rows longer than one chunk of `cluster_tiles` blocks' registers, at least `resident_rows`
+    # per cluster that fits at once, held in the shared memory of the fewest blocks of
+    # `cluster_sizes` whose `resident_npt` vectors per thread hold them, the next row streaming
+    # into a ring of slots as this one is written: x read once, not twice as in parts (LN
+    # 64x1048576 bf16 137.6 against 152.1 us, RMS 106.3 / 126.0, LN 256x524288 215.1 / 283.3,
+    # 16x1048576 47.8 / 49.5, 8 rows lost: 33.8 / 28.5), and in 8 blocks rather than RMSNorm's
+    # 16 of rows in registers (RMS 256x524288 bf16 175.7 / 193.8, 256x262144 f32 173.1 / 186.6).
+    # 0: off.
+    resident_npt: int = 8
+    resident_rows: float = 2.0
+    # Slots of each thread's ring (0: as many as one block's shared memory holds, at most two
+    # rows'); fewer only to exercise short rings (tests, sanitizers) and to measure them.
+    resident_slots: int = 0
     # Rows longer than one block (on sm_90: than one chunk of a cluster), at most sms *
     # parts_rows of them, split over the grid in two launches (each part's statistics, then the
     # parts merged and y written, x read again), `parts_per_sm` blocks per SM in all, so that

@@ -149,6 +149,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                         for tpr in row_kernel_widths(fc, warp, n):
                             spec = Spec(t, w, ln, v, n, warp, tpr=tpr, row=True, hip=hip)
                             names.update(spec.names("fwd").values())
+                if v * t.itemsize == 16 and clusters and fc.resident_npt:
+                    for tiles in cluster_sizes(fc):  # rows in a cluster's shared memory
+                        names.update(Spec(t, w, ln, v, fc.resident_npt, warp, tiles,
+                                          resident=True).names("fwd").values())
                 if v * t.itemsize == 16:  # narrower rows peeled
                     for n in PEEL_NPTS:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
@@ -360,6 +364,9 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
         return peeled
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
+    resident = _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
+    if resident is not None:
+        return resident
     cluster = _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     if cluster is not None:
         return cluster
@@ -446,6 +453,38 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(args, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
+    """Rows longer than one chunk of the portable cluster's registers holds, in the shared
+    memory of the fewest blocks of ``cluster_sizes`` whose ``resident_npt`` vectors per thread
+    hold them (sm_90, 16-byte vectors, no fused add), at least ``resident_rows`` rows per
+    cluster that fits at once; each thread's ring as many slots as one block's shared memory
+    holds, at most two rows'. None elsewhere (16 blocks of rows in registers, or parts)."""
+    cfg = config.fwd
+    npt = cfg.resident_npt
+    if not (npt and info.clusters and info.async_copy and cfg.cluster and hdtype is None
+            and vec * dtype.itemsize == 16
+            and N // vec > cfg.cluster_tiles * cfg.tpr_max * cfg.npt):
+        return None
+    tiles = next((t for t in cluster_sizes(cfg) if N // vec <= t * cfg.tpr_max * npt), 0)
+    if not tiles:
+        return None
+    tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
+    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
+    kern = _compile.kernels(spec, "fwd", config.source)["fwd_resident"]
+    pack = tpr * 16  # one slot: a vector per thread
+    static = int(getattr(kern, "shared_size_bytes", 0) or 0)
+    fit = (info.smem_per_sm - 1024 - static) // pack  # 1 KiB per block: the system's
+    slots = min(2 * npt, fit, cfg.resident_slots or fit)
+    smem = slots * pack
+    resident = _driver.max_active_clusters(kern, (1, tiles), (tpr, 1), smem) if slots >= npt \
+        else 0
+    if not resident or M < cfg.resident_rows * resident:
+        return None
+    grid, block = (min(M, resident), tiles), (tpr, 1)
+    launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, "fwd_resident", kern, grid, block, smem, launch)
 
 
 def parts_geometry(per_sm, npt, tpr_max, info, M, N, vec):

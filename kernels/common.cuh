@@ -303,6 +303,15 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, c
 #define CLN_ASYNC_COPY 0
 #endif
 
+// 16 bytes from global memory at `src` into shared memory at address `s`, or 16 zero bytes
+// where not `ok` (src is then not read). .cg: a row is read once, L1 can be skipped.
+__device__ __forceinline__ void copy16_async(unsigned int s, const void* src, bool ok) {
+#if CLN_ASYNC_COPY
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src),
+               "r"(ok ? 16 : 0) : "memory");
+#endif
+}
+
 // Copy NPT vectors of a row into shared memory (zero-filled outside [0, N) and for invalid rows:
 // nothing is read there). Packs of 4, 8 or 16 bytes, or several 16-byte pieces. Per thread
 // (PER_BLOCK false): into dst[k * blockDim.x * blockDim.y + tid], skipping L1 where it can. Per
@@ -330,9 +339,8 @@ __device__ __forceinline__ void stage_packs(P* dst, const T* __restrict__ row, c
     const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst + k * threads + tid);
 #pragma unroll
     for (int i = 0; i < B; i += S) {
-      if constexpr (S == 16 && !PER_BLOCK)  // .cg: a row is read once, L1 can be skipped
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s + i),
-                     "l"(src + (ok ? i : 0)), "r"(ok ? 16 : 0) : "memory");
+      if constexpr (S == 16 && !PER_BLOCK)
+        copy16_async(s + i, src + (ok ? i : 0), ok);
       else
         asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(s + i),
                      "l"(src + (ok ? i : 0)), "n"(S), "r"(ok ? S : 0) : "memory");

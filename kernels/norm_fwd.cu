@@ -440,6 +440,87 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
                                                                               ldr, hout);
 }
 
+// A thread's vectors of one row in a ring of `slots` slots of shared memory (`stride` packs
+// apart), the row's vector k in slot (first + k) mod slots.
+template <typename P> struct RingRow {
+  const P* base;
+  int first, slots, stride;
+  __device__ __forceinline__ int slot(int k) const {
+    const int s = first + k;
+    return s < slots ? s : s - slots;
+  }
+  __device__ __forceinline__ P operator[](int k) const { return base[slot(k) * stride]; }
+};
+
+// Rows split over the CL blocks of a cluster and held in their shared memory (sm_90; the
+// planner's choice for rows longer than the cluster's registers hold, rows outnumbering the
+// resident clusters): x read once, the cluster's resident clusters looping over rows. Each
+// thread keeps its NPT vectors of a row in a ring of `slots` slots (as many as the launch's
+// dynamic shared memory holds, at most 2 * NPT): the next row's first slots - NPT vectors are
+// copied (cp.async) into the free slots before this row's reductions, and each later one into
+// the slot of this row's vector just written out, so that the next row streams in while this
+// one is reduced and written even where two rows do not fit. Each thread reads only the slots
+// it copied into: no barrier.
+template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
+__global__ void __launch_bounds__(1024)
+CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_resident(CLN_FWD_PARAMS) {
+#if CLN_CLUSTERS && CLN_ASYNC_COPY
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  typedef Pack<T, VEC> P;
+  cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  const P* ring = reinterpret_cast<const P*>(cl_smem) + threadIdx.x;
+  unsigned int bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  const int slots = min((int)(bytes / (blockDim.x * sizeof(P))), 2 * NPT);
+  if (slots < NPT) cl_trap();  // a host/kernel mismatch: the row would not fit
+  const int early = slots - NPT;  // the next row's vectors copied before this row's reductions
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, tile = (cl_i64)blockIdx.y * chunk;
+  const C inv_n = cl_inv_count(C(0), N);
+  auto copy = [&](cl_i64 row, int k, int slot) {  // vector k of this block's part of `row`
+    const cl_i64 col = tile + ((cl_i64)k * blockDim.x + threadIdx.x) * VEC;
+    const bool ok = row < M && col < N;
+    copy16_async(smem_addr(ring + slot * blockDim.x), x + (ok ? row * ldx + col : 0), ok);
+  };
+  cl_i64 row = blockIdx.x;
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) copy(row, k, k);
+  async_commit();
+  typename Held<W, VEC>::type unused[1];
+  int first = 0, phase = 0;
+  for (; row < M; row += gridDim.x, ++phase) {
+    async_wait<0>();  // this row's vectors have landed
+    const RingRow<P> p{ring, first, slots, (int)blockDim.x};
+    const int next_first = p.slot(NPT);
+    for (int k = 0; k < early && k < NPT; ++k) copy(row + gridDim.x, k, p.slot(NPT + k));
+    async_commit();
+    C n = C(0), mean = C(0), m2 = C(0);
+    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, CL>(p, 0, tile, N, CL * chunk, phase,
+                                                         inv_n, n, mean, m2);
+    const C mu = LN ? mean : C(0);
+    const C rstd = cl_rsqrt(m2 * inv_n + eps);
+    if (blockIdx.y == 0 && threadIdx.x == 0) {
+      if (LN) mean_out[row] = (float)mu;
+      rstd_out[row] = (float)rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const P v[1] = {p[k]};
+      write_chunk<false, VEC, 1, false>(v, (int)(tile + (cl_i64)k * blockDim.x * VEC), (int)N,
+                                        mu, rstd, gamma, beta, y + row * N, unused, unused);
+      if (k + early < NPT) copy(row + gridDim.x, k + early, p.slot(k));  // its slot is free
+    }
+    async_commit();
+    first = next_first;
+  }
+  async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
+  cluster_sync();   // none of the cluster's blocks exits while its sums may be on their way
+#else
+  cl_trap();  // the planner launches it only where clusters and cp.async exist
+#endif
+}
+
 // The statistics of row `row` from its G parts' (mean, centred sum of squares; RMSNorm's sum
 // of squares) in pr, count(i) elements in part i: every warp adds them in the same order (the
 // same bits in every block); block 0 stores them.

@@ -330,7 +330,7 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     every_other_row = LAYOUTS["every other row"]
     plans.spy("fwd")
     for on in (True, False):
-        plans.replan(fwd_cluster=on, fwd_parts_rows=0)
+        plans.replan(fwd_cluster=on, fwd_parts_rows=0, fwd_resident_npt=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
         info, cfg = _plan.device_info(cp.cuda.Device().id), plans.config.fwd
@@ -350,6 +350,35 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
+    (16, 1 << 20, BF16, BF16, True), (30, 600008, F16, F32, False), (40, 262152, F32, F32, True),
+    (35, 140000, F64, F64, True), (40, 524288, BF16, F32, True)])
+def test_forward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt, has_b):
+    """Rows longer than the portable cluster's registers hold, held in the shared memory of a
+    cluster of 8 or 16 blocks (each thread's ring of slots: two whole rows, or fewer; rows not
+    a multiple of the cluster's chunk, strided rows, float64), match the reference, as the
+    paths without them do; on sm_90 the plan takes them for every such row here, at least
+    ``resident_rows`` per resident cluster, and for none when off."""
+    from cupyln import _plan
+
+    case = inputs(M, N, dt, wdt, has_b=has_b)
+    plans.spy("fwd")
+    info = _plan.device_info(cp.cuda.Device().id)
+    for npt, slots in ((8, 0), (8, 9), (0, 0)):  # the ring as large as fits, short, none
+        plans.replan(fwd_resident_npt=npt, fwd_resident_slots=slots)
+        check_case(op, *case, config=plans.config)
+        check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
+        resident = [p for p in plans if p.variant == "fwd_resident"]
+        assert len(resident) == (len(plans) if npt and info.clusters else 0), \
+            [p.variant for p in plans]
+        for p in resident:
+            tpr, tiles = p.block[0], p.spec.tiles
+            assert p.grid == (p.grid[0], tiles) and M >= 2 * p.grid[0]
+            assert tpr * tiles * npt * p.spec.vec >= N and npt * tpr * 16 <= p.smem
+            assert not slots or p.smem == slots * tpr * 16
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (1, 1 << 20, BF16, BF16, True), (3, 262152, F16, F32, False), (2, 70001, F32, F32, True),
     (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (2, 140000, F64, F64, True),
     (264, 140000, F32, F32, True), (4, 4097 * 8, BF16, F32, True)])
@@ -364,7 +393,7 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
     plans.spy("fwd")
     info = _plan.device_info(cp.cuda.Device().id)
     for rows in (2.0, 0):
-        plans.replan(fwd_parts_rows=rows)
+        plans.replan(fwd_parts_rows=rows, fwd_resident_npt=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
         cfg = plans.config.fwd

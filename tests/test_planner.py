@@ -14,6 +14,7 @@ from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes  # noqa: E402
 
 FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
 NO_PARTS = Config(fwd=FwdConfig(parts_rows=0), bwd=BwdConfig(parts_rows=0))
+NO_RESIDENT = Config(fwd=FwdConfig(resident_npt=0))
 
 WARPS = st.sampled_from([32, 64])
 
@@ -236,8 +237,10 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     the block's part in shared memory) where there are more rows than resident clusters, else
     one cluster per row; no other row is (longer ones go in parts over the grid, or a block
     each), with or without rows in parts; LayerNorm's rows that are a whole number of the
-    cluster's chunks without column tests."""
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_PARTS, is_ln=ln)
+    cluster's chunks without column tests. (Rows held in a cluster's shared memory, off here,
+    have their own test.)"""
+    no_parts = Config(fwd=FwdConfig(parts_rows=0, resident_npt=0))
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=no_parts, is_ln=ln)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
     longer = N // vec > FWD.tpr_max * FWD.npt
@@ -247,7 +250,8 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     if held and held[0] > FWD.cluster_tiles and (ln or M < FWD.cluster_long_min_rows):
         held = []
     assert (s.tiles > 1) == (clusters and vec * size == 16 and longer and bool(held))
-    default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters, is_ln=ln)
+    default, _ = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=NO_RESIDENT,
+                                   is_ln=ln)
     assert (default.spec.tiles > 1) == (s.tiles > 1)
     if s.tiles == 1:
         return
@@ -266,6 +270,49 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
+       st.integers(1 << 15, 1 << 21), WARPS, st.booleans(), st.sampled_from([1, 8, 16]))
+@example("bfloat16", 64, 1 << 20, 32, True, 16)  # 16 blocks of 8 vectors per thread
+@example("bfloat16", 256, 1 << 19, 32, False, 16)  # RMSNorm's: 8 blocks, not 16 in registers
+@example("bfloat16", 1, 1 << 20, 32, True, 16)  # one row: in parts
+@example("bfloat16", 2, 1 << 20, 32, True, 16)  # two rows: resident_rows' bound
+@example("float16", 100, 600000, 32, True, 16)  # not a whole number of vectors per thread
+@example("bfloat16", 2048, 65536, 32, True, 16)  # 8 blocks' registers hold it: not here
+@example("bfloat16", 64, 1 << 20, 32, True, 8)  # the driver places no 16-block cluster
+def test_forward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most):
+    """Rows of 16-byte vectors longer than one chunk of ``cluster_tiles`` blocks' registers, at
+    least ``resident_rows`` per cluster that fits at once (the mock places one), are held in the
+    shared memory of the fewest blocks that the driver places and whose ``resident_npt``
+    vectors per thread of at most ``tpr_max`` threads hold them: the fewest whole warps, a ring
+    of as many slots (one vector per thread each) as a block's shared memory holds, at most two
+    rows', a grid of (min(M, clusters), blocks). Every other plan is the one without them."""
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, is_ln=ln, most_blocks=most)
+    off, _ = _plan_without_gpu("fwd", dt, M, N, warp, is_ln=ln, most_blocks=most,
+                               config=NO_RESIDENT)
+    dtype = _dtype(dt)
+    vec = _layout.vec_width(dtype, N, (N,), [])
+    npt, nvec = FWD.resident_npt, N // vec
+    tiles = next((t for t in (FWD.cluster_tiles, FWD.cluster_tiles_long)
+                  if nvec <= t * FWD.tpr_max * npt), 0)
+    expect = (vec * dtype.itemsize == 16 and nvec > FWD.cluster_tiles * FWD.tpr_max * FWD.npt
+              and 0 < tiles <= most and M >= FWD.resident_rows)
+    assert (plan.variant == "fwd_resident") == expect
+    if not expect:
+        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
+            off.variant, off.grid, off.block, off.smem)
+        return
+    tpr = plan.block[0]
+    assert plan.spec.resident and plan.spec.tiles == tiles and plan.spec.npt == npt
+    assert tpr % warp == 0 and tpr <= FWD.tpr_max and plan.block[1] == 1
+    assert tpr * tiles * npt >= nvec > (tpr - warp) * tiles * npt  # the fewest warps
+    slot = tpr * 16
+    slots = plan.smem // slot
+    assert plan.smem == slots * slot and npt <= slots <= 2 * npt
+    assert slots == 2 * npt or (slots + 1) * slot > _SMEM_PER_SM - 1024  # all that fits
+    assert plan.grid == (1, tiles)
+    assert set(built.values()) <= _plan.all_kernel_names(warp)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
        st.integers(1, 1 << 21), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
 @example("bfloat16", 1, 1 << 20, 32, "sm_90")
 @example("bfloat16", 64, 1 << 20, 32, "sm_90")
@@ -279,7 +326,8 @@ def test_few_long_forward_rows_split_over_the_grid(dt, M, N, warp, target):
     of (parts, M) blocks of whole warps (the fused add's too: h stored by the first, read back
     by the second), every part non-empty and the parts covering the row, each row's parts
     within its share of ``parts_per_sm`` blocks per SM (or blocks of ``tpr_max`` threads), on
-    any device; no other row does."""
+    any device; no other row does. (Rows held in a cluster's shared memory, off here, have
+    their own test.)"""
     hip = target == "hip"
     dtype = _dtype(dt)
     for hdtype in (None, *h_dtypes(dtype)):
@@ -433,7 +481,7 @@ def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
 
 def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, target == "sm_90", hip=hip,
-                                    hdtype=hdtype)
+                                    hdtype=hdtype, config=NO_RESIDENT)
     s = plan.spec
     wide = s.vec * s.dtype.itemsize == 16
     longer = -(-N // s.vec) > FWD.tpr_max * FWD.npt
