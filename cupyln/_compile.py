@@ -42,7 +42,7 @@ class Spec(NamedTuple):
     hdtype: np.dtype | None = None  # forward: the fused residual add's h (its kernels alone)
     residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
     peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
-    resident: bool = False  # forward: rows held in a cluster's shared memory (its kernel alone)
+    resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -81,8 +81,13 @@ class Spec(NamedTuple):
                     "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>"}
         a = self._args()
         acc = CTYPES[ACC_DTYPES[self.dtype]]
+        w = CTYPES[self.wdtype]
+        if self.resident:  # long rows in a cluster's shared memory (pass 'bwd_long')
+            return {"bwd_resident": f"norm_bwd_resident<{CTYPES[self.dtype]}, {w}, "
+                                    f"{_op(self.is_ln)}, {self.npt}, {self.warp}, {self.tiles}>",
+                    "reduce": f"norm_bwd_reduce<{acc}, {w}>",
+                    "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
         if self.peeled:  # rows peeled as the forward's: one block each, or column tiles
-            w = CTYPES[self.wdtype]
             peeled = f"norm_bwd_peeled<{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, " \
                      f"{self.npt}, {self.warp}"
             if pass_ == "bwd":

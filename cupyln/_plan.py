@@ -153,6 +153,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                     for tiles in cluster_sizes(fc):  # rows in a cluster's shared memory
                         names.update(Spec(t, w, ln, v, fc.resident_npt, warp, tiles,
                                           resident=True).names("fwd").values())
+                if v * t.itemsize == 16 and clusters and bc.resident_npt and \
+                        bc.cluster_tiles_long > 1:
+                    names.update(Spec(t, w, ln, v, bc.resident_npt, warp, bc.cluster_tiles_long,
+                                      resident=True).names("bwd_long").values())
                 if v * t.itemsize == 16:  # narrower rows peeled
                     for n in PEEL_NPTS:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
@@ -646,6 +650,10 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     fused = g.fits and cdiv(M, g.rpb) <= cfg.fused_reduce_blocks and N <= g.tpr * g.rpb
     if not fused:
         g = spread(g, M, info.warp, int(cfg.spread * info.sms))
+    if not g.fits and not residual:
+        resident = _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec)
+        if resident is not None:
+            return resident
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip,
                     residual=residual)
@@ -693,6 +701,34 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     if dyn:
         launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch, direct)
+
+
+def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
+    """Rows longer than the register tiles' clusters of ``cluster_tiles_long`` blocks hold
+    (16-byte vectors, sm_90), in that many column tiles of ``resident_npt`` vectors per thread
+    that keep x and dy in shared memory, at least ``resident_rows`` rows per cluster that fits
+    at once; None elsewhere (row sums and tiles)."""
+    cfg = config.bwd
+    npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
+    if not (npt and tiles > 1 and info.clusters and info.async_copy and cfg.cluster
+            and vec * dtype.itemsize == 16):
+        return None
+    if N // vec <= tiles * bwd_threads(cfg.cluster_npt) * cfg.cluster_npt or \
+            N // vec > tiles * 1024 * npt:
+        return None
+    tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
+    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
+    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    smem = npt * tpr * (4 * 16 + vec * wdtype.itemsize)  # x and dy twice, gamma once
+    fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
+    if not fit or M < cfg.resident_rows * fit:
+        return None
+    grid, block = (min(M, fit), tiles), (tpr, 1)
+    launch = {"bwd": Launcher(kerns["bwd_resident"], grid, block, smem, _BWD_ARGS)}
+    if grid[0] > 1:
+        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
+    return Plan(spec, "bwd_resident", kerns["bwd_resident"], grid, block, smem, launch,
+                direct=grid[0] == 1)
 
 
 def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):

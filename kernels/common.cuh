@@ -303,6 +303,14 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row, cl_i64 c0, c
 #define CLN_ASYNC_COPY 0
 #endif
 
+// A thread's packs of a staged row read from shared memory where used (its slots, `stride`
+// apart), not held in registers: what spilled there is read again from shared memory instead.
+template <typename P> struct SmemRow {
+  const P* base;
+  int stride;
+  __device__ __forceinline__ P operator[](int k) const { return base[k * stride]; }
+};
+
 // 16 bytes from global memory at `src` into shared memory at address `s`, or 16 zero bytes
 // where not `ok` (src is then not read). .cg: a row is read once, L1 can be skipped.
 __device__ __forceinline__ void copy16_async(unsigned int s, const void* src, bool ok) {

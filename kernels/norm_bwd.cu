@@ -555,6 +555,109 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
 }
 
+// Long rows whose x and dy stay in the shared memory of a cluster of CL column tiles (sm_90;
+// the planner's choice for rows longer than the register tiles' clusters hold): blocks of up to
+// 1024 threads of NPT vectors each, the next row's x and dy copied ahead (cp.async) into the
+// second of two buffers, gamma staged once per thread. Both passes over a row (its sums with
+// dgamma/dbeta, then dx) read it from shared memory, so that registers hold little more than
+// the dgamma/dbeta sums; x and dy are read from memory once. Each thread reads only the slots
+// it copied: no barrier. The flush is bwd_rows' (partials, atomics, or one row of blocks).
+template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
+__global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
+norm_bwd_resident(CLN_BWD_PARAMS) {
+#if CLN_CLUSTERS && CLN_ASYNC_COPY
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  typedef Pack<T, VEC> P;
+  typedef typename Held<W, VEC>::type G;
+  constexpr int CSLOTS = cluster_slots<CL, WARP, 1024>();
+  cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  const int t = threadIdx.x, threads = blockDim.x;
+  P* stage = reinterpret_cast<P*>(cl_smem);
+  G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
+  require_dynamic_smem(4u * NPT * threads * sizeof(P) + NPT * threads * sizeof(G));
+  const cl_i64 c0 = (cl_i64)blockIdx.y * threads * NPT * VEC;  // this block's column tile
+  const C inv_n = cl_inv_count(C(0), N);
+  C acc_g[NPT][VEC], acc_b[NPT][VEC];
+#pragma unroll
+  for (int k = 0; k < NPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
+  if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
+  auto prefetch = [&](cl_i64 row, int b) {  // row's x and dy into buffer b (zeros past M)
+    const bool ok = row < M;
+    const cl_i64 r = ok ? row : 0;
+    P* d = stage + b * 2 * NPT * threads;
+    stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
+    stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
+    async_commit();
+  };
+  prefetch(blockIdx.x, 0);
+  int phase = 0;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
+    const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
+    prefetch(row + gridDim.x, (phase + 1) & 1);
+    async_wait<1>();  // this row's copies have landed; the next row's stay in flight
+    const SmemRow<P> px{stage + (phase & 1) * 2 * NPT * threads + t, threads};
+    const SmemRow<P> pdy{px.base + NPT * threads, threads};
+    // vector k's x - mean (0 past N, where x is 0), dy and gamma, read from shared memory
+    auto at = [&](int k, P& xk, P& dk, G& gk, C& mk) {
+      xk = px[k];
+      dk = pdy[k];
+      if (gamma) gk = gstage[k * threads + t];
+      mk = c0 + ((cl_i64)k * threads + t) * VEC < N ? mu : C(0);
+    };
+    C s[2] = {C(0), C(0)};
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      P xk, dk;
+      G gk;
+      C mk;
+      at(k, xk, dk, gk, mk);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const C d = (C)elem(dk, j), xh = ((C)elem(xk, j) - mk) * rs;
+        acc_g[k][j] = cl_fma(d, xh, acc_g[k][j]);
+        acc_b[k][j] += d;
+        const C g = gamma ? d * (C)elem(gk, j) : d;
+        s[0] += g;
+        s[1] = cl_fma(g, xh, s[1]);
+      }
+    }
+    cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
+    if (dx) {  // dx = g * rs - (xhat * a + b), as bwd_rows'
+      const C a = rs * (s[1] * inv_n);
+      const C b = LN ? rs * (s[0] * inv_n) : C(0);
+      T* dxr = dx + row * N;
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * threads + t) * VEC;
+        if (col >= N) continue;
+        P xk, dk;
+        G gk;
+        C mk, o[VEC];
+        at(k, xk, dk, gk, mk);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const C xh = ((C)elem(xk, j) - mk) * rs;
+          const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
+          o[j] = g * rs - (xh * a + b);
+        }
+        store_vec<VEC>(dxr + col, o);
+      }
+    }
+  }
+  async_wait<0>();  // the copies past the last row (zeros) land before the block exits
+  cluster_sync();   // none exits while its last row's sums may be on their way to another
+  ClusterSums<1, C> none;
+  flush_params<W, VEC, NPT, 1, false>(acc_g, acc_b, none, c0, N, dgamma, dbeta, accum, counter,
+                                      partial);
+#else
+  cl_trap();  // the planner launches it only where clusters and cp.async exist
+#endif
+}
+
 // The two row sums of dx, sum(g) and sum(g * xhat), for rows longer than norm_bwd's registers
 // hold: one row per block (blockDim.y == 1), the row read in chunks of blockDim.x * NPT * VEC;
 // CL > 1 (sm_90): one row per cluster of CL blocks (gridDim.y == CL), block r reading chunks r,

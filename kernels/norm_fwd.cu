@@ -77,14 +77,6 @@ __device__ __forceinline__ void chunk_stats(const R& p, cl_i64 c0, cl_i64 t0, cl
 
 template <bool B> struct BoolC { static constexpr bool value = B; };
 
-// A thread's packs of a staged row read from shared memory where used (its slots, `stride`
-// apart), not held in registers: what spilled there is read again from shared memory instead.
-template <typename P> struct SmemRow {
-  const P* base;
-  int stride;
-  __device__ __forceinline__ P operator[](int k) const { return base[k * stride]; }
-};
-
 // Output of one chunk. gamma/beta come from `hg`/`hb` when HELD (loaded with the row), else
 // they are read here; they stay packed until used (fewer live registers). FULL: as chunk_stats.
 // ONE_PATH: one code path, an absent gamma taken as 1 and an absent beta as -0 (x + -0 is x, -0

@@ -378,6 +378,34 @@ def test_forward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt,
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b,det", [
+    (40, 262144, BF16, BF16, True, False), (30, 200000, F16, F32, False, True),
+    (20, 131072, F32, F32, True, False), (16, 60000, F64, F64, True, True)])
+def test_backward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt, has_b, det):
+    """Backward rows longer than the register tiles' 16-block clusters hold, with x and dy kept
+    in the shared memory of 16 column tiles (rows not a multiple of the tiles' chunk, strided
+    rows, float64, float32 parameters of 16-bit rows), match the reference, as row sums and
+    tiles do; on sm_90 the plan takes them for every such row here, and for none when off."""
+    from cupyln import _plan
+
+    case = inputs(M, N, dt, wdt, has_b=has_b)
+    plans.spy("bwd")
+    info = _plan.device_info(cp.cuda.Device().id)
+    for npt in (2, 0):
+        plans.replan(bwd_resident_npt=npt)
+        check_case(op, *case, deterministic=det, config=plans.config)
+        check_case(op, *case, layout=LAYOUTS["every other row"], deterministic=det,
+                   config=plans.config)
+        resident = [p for p in plans if p.variant == "bwd_resident"]
+        assert len(resident) == (len(plans) if npt and info.clusters else 0), \
+            [p.variant for p in plans]
+        for p in resident:
+            tpr, tiles = p.block[0], p.spec.tiles
+            assert tiles == 16 and M >= 2 * p.grid[0] and tpr * tiles * npt * p.spec.vec >= N
+            assert "reduce" in p.launch
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (1, 1 << 20, BF16, BF16, True), (3, 262152, F16, F32, False), (2, 70001, F32, F32, True),
     (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (2, 140000, F64, F64, True),
