@@ -534,6 +534,42 @@ def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
     assert merge.block[0] == warp and merge.grid[0] * merge.block[1] >= M
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
+       st.integers(1 << 13, 1 << 19), WARPS, st.booleans(), st.sampled_from([8, 16]))
+@example("bfloat16", 512, 1 << 18, 32, True, 16)  # 16 tiles of 1024 threads
+@example("bfloat16", 2, 1 << 18, 32, True, 16)  # two rows: resident_rows' bound
+@example("bfloat16", 1, 1 << 18, 32, True, 16)  # one row: row sums and tiles
+@example("float16", 100, 200000, 32, True, 16)  # not a whole number of vectors per thread
+@example("bfloat16", 1024, 1 << 17, 32, True, 16)  # the register tiles hold it: not here
+@example("bfloat16", 512, 1 << 18, 32, True, 8)  # the driver places no 16-block cluster
+def test_backward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most):
+    """Backward rows of 16-byte vectors longer than ``cluster_tiles_long`` register tiles hold
+    and that as many tiles of ``resident_npt`` vectors for at most 1024 threads hold, at least
+    ``resident_rows`` per cluster that fits at once (the mock places one), keep x and dy in
+    the shared memory of those tiles: the fewest whole warps, two buffers of x and dy and
+    gamma once; a grid of one such cluster writes dgamma/dbeta itself. Every other plan is the
+    one without them."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, is_ln=ln, most_blocks=most)
+    off, _ = _plan_without_gpu("bwd", dt, M, N, warp, is_ln=ln, most_blocks=most,
+                               config=Config(bwd=BwdConfig(resident_npt=0)))
+    dtype = _dtype(dt)
+    vec = _layout.vec_width(dtype, N, (N,), [])
+    npt, tiles, nvec = BWD.resident_npt, BWD.cluster_tiles_long, N // vec
+    expect = (vec * dtype.itemsize == 16 and tiles <= most and M >= BWD.resident_rows
+              and tiles * 512 * BWD.cluster_npt < nvec <= tiles * 1024 * npt)
+    assert (plan.variant == "bwd_resident") == expect
+    if not expect:
+        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
+            off.variant, off.grid, off.block, off.smem)
+        return
+    tpr = plan.block[0]
+    assert plan.spec.resident and plan.spec.tiles == tiles and plan.spec.npt == npt
+    assert tpr % warp == 0 and tpr * tiles * npt >= nvec > (tpr - warp) * tiles * npt
+    assert plan.smem == npt * tpr * (4 * 16 + vec * dtype.itemsize)
+    assert plan.grid == (1, tiles) and plan.direct and "reduce" not in plan.launch
+    assert set(built.values()) <= _plan.all_kernel_names(warp)
+
+
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
        st.integers(1, 1 << 19), WARPS, st.booleans(), st.booleans())
 @example("bfloat16", 2048, 65536, 32, True, False)  # 8 tiles hold it
