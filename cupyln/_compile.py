@@ -250,10 +250,11 @@ def kernels(spec, pass_, text=None):
 # ----------------------------------------------------------------------------- offline checks
 
 
-def compile_nvrtc(names, arch, text=None, ptx=None):
+def compile_nvrtc(names, arch, text=None, ptx=None, syntax_only=False):
     """Compile the kernels named by ``names`` with NVRTC for ``arch`` (e.g. 'sm_90', or
-    'compute_80' for PTX alone); no GPU needed. Returns the lowered (mangled) names, and puts
-    the PTX text in the list ``ptx`` where given; raises RuntimeError with NVRTC's log on
+    'compute_80' for PTX alone; ``syntax_only``: the front end alone, every template
+    instantiated and checked, no code); no GPU needed. Returns the lowered (mangled) names, and
+    puts the PTX text in the list ``ptx`` where given; raises RuntimeError with NVRTC's log on
     failure."""
     from cupy_backends.cuda.libs import nvrtc
 
@@ -263,10 +264,11 @@ def compile_nvrtc(names, arch, text=None, ptx=None):
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *OPTIONS])
+            front = ["-fdevice-syntax-only"] if syntax_only else []
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *front, *OPTIONS])
         except Exception as e:
             raise RuntimeError(f"NVRTC {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
-        if ptx is not None:
+        if ptx is not None and not syntax_only:
             ptx.append(nvrtc.getPTX(prog).decode(errors="replace"))
         return {n: nvrtc.getLoweredName(prog, n) for n in names}
     finally:

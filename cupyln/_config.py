@@ -155,12 +155,6 @@ class BwdConfig:
     # Staged rows handed out by a ticket counter when the call need not be deterministic
     # (131072x4096 bf16: 3.5% faster than static rows).
     dynamic: bool = True
-    # Rows longer than those tiles hold, at least `resident_rows` per cluster that fits at
-    # once, in 16 column tiles of up to 1024 threads of `resident_npt` vectors that keep x and
-    # dy in shared memory (the next row copied ahead), read once, not twice as by row sums and
-    # tiles. 0: off.
-    resident_npt: int = 2
-    resident_rows: float = 2.0
     # Long rows without clusters of tiles: column tiles of `tile_tpr` threads x `tile_npt` vectors
     # after a row-sums kernel of `rowsums_tpr` threads per row; on sm_90, for rows that leave
     # SMs idle (at most `sms / cluster_tiles` of them), the row sums over a cluster of
@@ -195,6 +189,13 @@ class BwdConfig:
     # 1024x131072 bf16 306-310 against 427 us (row sums, then tiles), 1x131072 8.7 / 12.8,
     # 512x65536 f32 131 / 197, fused 1024x131072 bf16 312 / 488.
     cluster_tiles_long: int = 16
+    # Rows longer than those tiles hold, at least `resident_rows` per cluster that fits at
+    # once, in as many column tiles of up to 1024 threads of `resident_npt` vectors that keep x
+    # and dy in shared memory (the next row copied ahead): read once, not twice as by row sums
+    # and tiles (RMS 512x262144 bf16 291 against 410 us, LN 336 / 412, 200x131072 f32 121 /
+    # 165, 64x262144 bf16 72.5 / 78.0). 0: off.
+    resident_npt: int = 2
+    resident_rows: float = 2.0
 
     __post_init__ = _check_stage
 

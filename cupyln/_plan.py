@@ -97,6 +97,9 @@ def bwd_geometry(cfg: BwdConfig, nvec, warp):
     return g._replace(rpb=max(1, min(g.rpb, bwd_threads(g.npt) // g.tpr)))
 
 
+RESIDENT_BWD_THREADS = 1024  # norm_bwd_resident's launch bound
+
+
 def bwd_threads(npt):
     """The backward kernels' launch bound: threads per block at ``npt`` vectors per thread."""
     return 1024 if npt == 1 else 512
@@ -714,7 +717,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
             and vec * dtype.itemsize == 16):
         return None
     if N // vec <= tiles * bwd_threads(cfg.cluster_npt) * cfg.cluster_npt or \
-            N // vec > tiles * 1024 * npt:
+            N // vec > tiles * RESIDENT_BWD_THREADS * npt:
         return None
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
     spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)

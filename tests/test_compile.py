@@ -1,17 +1,18 @@
-"""Every kernel the planner can launch compiles, without a GPU: with NVRTC for sm_90 (to
-machine code, as at run time) and for sm_80 (warp 32; sm_80's own list, without cluster kernels;
-to PTX, scanned for sm_90's instructions), and with hipcc for gfx90a (wave64) and gfx1030
-(wave32) to machine code, and for gfx940 (wave64) through the front end (every template
-instantiated and checked against the target's builtins; its code generation is gfx90a's). Each
-target's kernels are split into CHUNKS programs, so that pytest-xdist spreads them over the
-cores. These run with ``--all-kernels`` (CI does); in CI (CI=true) a missing compiler is a
-failure, not a skip. Also: the wheel ships the sources.
+"""Every kernel the planner can launch compiles, without a GPU, for every target: with NVRTC
+for sm_90 and sm_80 (warp 32; sm_80's own list, without cluster kernels) and with hipcc for
+gfx90a and gfx940 (wave64) and gfx1030 (wave32). Each target's kernels are split into CHUNKS
+programs, so that pytest-xdist spreads them over the cores; every specialization goes through
+every target's front end (each template instantiated and checked, against the target's
+builtins too), and to machine code as MACHINE_CODE says: sm_90 and gfx90a all of them (sm_90 as
+at run time), sm_80 (to PTX, scanned for sm_90's instructions) and gfx1030 one chunk, whose
+kernels span every kernel family. These run with ``--all-kernels`` (CI does); in CI (CI=true) a
+missing compiler is a failure, not a skip. Also: the wheel ships the sources.
 
 Why not machine code everywhere: on CI's two cores the five full builds took about 21 of the
-run's 24 minutes (1586 and 1290 NVRTC kernels, three times about 1160 hipcc kernels). ptxas
-takes 40% of an NVRTC build; what only sm_80's ptxas would catch is an instruction of sm_90
-outside its guard, which the PTX scan finds. gfx940's code generation from the same source is
-gfx90a's; its front end alone takes 7% of a full build."""
+run's 24 minutes (1586 and 1290 NVRTC kernels, three times about 1160 hipcc kernels). A front
+end takes 2 s (NVRTC) or 6 s (hipcc) of a chunk's 90-200 s; what code generation alone would
+catch (an instruction outside its architecture's guard, a resource limit) lies in helpers and
+kernel families, which the chunks built to code cover."""
 
 import os
 import re
@@ -24,8 +25,9 @@ import pytest
 
 IN_CI = bool(os.environ.get("CI"))
 CHUNKS = 4
-NVRTC = ["compute_80", "sm_90"]
-HIPCC = [("gfx90a", 64, True), ("gfx940", 64, False), ("gfx1030", 32, True)]  # full build?
+NVRTC = ["sm_80", "sm_90"]
+HIPCC = [("gfx90a", 64), ("gfx940", 64), ("gfx1030", 32)]
+MACHINE_CODE = {"sm_90": CHUNKS, "gfx90a": CHUNKS, "sm_80": 1, "gfx1030": 1, "gfx940": 0}
 # PTX that sm_80 does not run: clusters, their shared memory and barriers, tensor-memory copies
 SM90_PTX = re.compile(r"\b(mapa|st\.async|barrier\.cluster|fence\.mbarrier_init|cp\.async\.bulk"
                       r"|elect\.sync|setmaxnreg|wgmma)\b|expect_tx|%cluster_|::cluster")
@@ -51,13 +53,28 @@ def test_every_specialization_compiles_with_nvrtc(arch, chunk):
     except ImportError as e:
         _missing(f"CuPy ({e})")
     # sm_80 launches no cluster kernels (the planner's rule, tests/test_planner.py)
-    names = _chunk(all_kernel_names(32, clusters=arch == "sm_90"), chunk)
+    names = _chunk(all_kernel_names(32, clusters=arch != "sm_80"), chunk)
+    code = chunk < MACHINE_CODE[arch]
     ptx = []
-    lowered = compile_nvrtc(names, arch, ptx=ptx)
+    target = arch if arch == "sm_90" else arch.replace("sm_", "compute_")  # sm_80: PTX
+    lowered = compile_nvrtc(names, target, ptx=ptx, syntax_only=not code)
     assert set(lowered) == names and all(lowered.values())
-    if arch == "compute_80":
+    if code and arch == "sm_80":
         found = SM90_PTX.search(ptx[0])
         assert found is None, f"sm_90 PTX in sm_80's kernels: {found.group(0)!r}"
+
+
+def test_nvrtc_front_end_finds_errors():
+    pytest.importorskip("cupy")
+    from cupyln._compile import Spec, compile_nvrtc, source
+    from cupyln._dtypes import FLOAT16
+
+    names = set(Spec(FLOAT16, FLOAT16, True, 8, 4, 32).names("fwd").values())
+    bad = source().replace("const C rstd = cl_rsqrt(m2 * inv_n + eps);",
+                           "const C rstd = cl_rsqrt(m2 * inv_n + eps) + gamma;", 1)
+    assert bad != source()
+    with pytest.raises(RuntimeError, match="arithmetic"):
+        compile_nvrtc(names, "compute_80", text=bad, syntax_only=True)
 
 
 def test_sm80_ptx_scan_finds_cluster_instructions():
@@ -68,8 +85,8 @@ def test_sm80_ptx_scan_finds_cluster_instructions():
 
 @pytest.mark.all_kernels
 @pytest.mark.parametrize("chunk", range(CHUNKS))
-@pytest.mark.parametrize("arch,warp,full", HIPCC)
-def test_every_specialization_compiles_with_hipcc(arch, warp, full, chunk, tmp_path):
+@pytest.mark.parametrize("arch,warp", HIPCC)
+def test_every_specialization_compiles_with_hipcc(arch, warp, chunk, tmp_path):
     hipcc = shutil.which("hipcc")
     if hipcc is None:
         _missing("hipcc")
@@ -82,6 +99,7 @@ def test_every_specialization_compiles_with_hipcc(arch, warp, full, chunk, tmp_p
     src.write_text(hip_source(_chunk(all_kernel_names(warp, hip=True), chunk)))
     out = tmp_path / f"cupyln_{arch}.o"
     env = dict(os.environ, HIP_PLATFORM="amd")
+    full = chunk < MACHINE_CODE[arch]
     build = (["-c", str(src), "-o", str(out)] if full  # (hipcc passes linker flags: unused)
              else ["-fsyntax-only", "-Wno-unused-command-line-argument", str(src)])
     r = subprocess.run(
