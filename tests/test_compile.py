@@ -1,7 +1,7 @@
 """Every kernel the planner can launch compiles, without a GPU, for every target: with NVRTC
 for sm_90 and sm_80 (warp 32; sm_80's own list, without cluster kernels) and with hipcc for
-gfx90a and gfx940 (wave64) and gfx1030 (wave32). Each target's kernels are split into CHUNKS
-programs (every kernel family in each), so that pytest-xdist spreads them over the cores. Every
+gfx90a and gfx940 (wave64) and gfx1030 (wave32). Each target's kernels are dealt out in turn
+(sorted by name) into CHUNKS programs, so that pytest-xdist spreads them over the cores. Every
 specialization goes through every target's front end (each template instantiated and checked,
 against the target's builtins too), and to machine code where MACHINE_CODE says: sm_90 (as at
 run time) three chunks, sm_80 (PTX, scanned for sm_90's instructions) the fourth, gfx90a and
@@ -14,7 +14,7 @@ run's 24 minutes (1586 and 1290 NVRTC kernels, three times about 1160 hipcc kern
 machine code for sm_90 and gfx90a alone still 18 of a local run's 22. A front end takes 2 s
 (NVRTC) or 5 s (hipcc) of a chunk's 80-200 s; what code generation alone would catch (an
 instruction outside its architecture's guard, a resource limit) lies in helpers and kernel
-families, which every chunk holds."""
+families, which each chunk holds but for families of fewer than CHUNKS kernels."""
 
 import os
 import re
