@@ -285,22 +285,20 @@ def test_forward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most)
     vectors per thread of at most ``tpr_max`` threads hold them: the fewest whole warps, a ring
     of as many slots (one vector per thread each) as a block's shared memory holds, at most two
     rows', a grid of (min(M, clusters), blocks). Every other plan is the one without them."""
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, is_ln=ln, most_blocks=most)
-    off, _ = _plan_without_gpu("fwd", dt, M, N, warp, is_ln=ln, most_blocks=most,
-                               config=NO_RESIDENT)
-    dtype = _dtype(dt)
-    vec = _layout.vec_width(dtype, N, (N,), [])
-    npt, nvec = FWD.resident_npt, N // vec
-    tiles = next((t for t in (FWD.cluster_tiles, FWD.cluster_tiles_long)
-                  if nvec <= t * FWD.tpr_max * npt), 0)
-    expect = (vec * dtype.itemsize == 16 and nvec > FWD.cluster_tiles * FWD.tpr_max * FWD.npt
-              and 0 < tiles <= most and M >= FWD.resident_rows)
-    assert (plan.variant == "fwd_resident") == expect
-    if not expect:
-        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
-            off.variant, off.grid, off.block, off.smem)
+    npt = FWD.resident_npt
+
+    def tiles_of(nvec):  # the fewest blocks whose vectors hold the row
+        return next((t for t in (FWD.cluster_tiles, FWD.cluster_tiles_long)
+                     if nvec <= t * FWD.tpr_max * npt), 0)
+
+    def expect(wide, nvec):
+        return (wide and nvec > FWD.cluster_tiles * FWD.tpr_max * FWD.npt
+                and 0 < tiles_of(nvec) <= most and M >= FWD.resident_rows)
+
+    plan, nvec = _resident_plan("fwd", dt, M, N, warp, ln, most, NO_RESIDENT, expect)
+    if plan is None:
         return
-    tpr = plan.block[0]
+    tpr, tiles = plan.block[0], tiles_of(nvec)
     assert plan.spec.resident and plan.spec.tiles == tiles and plan.spec.npt == npt
     assert tpr % warp == 0 and tpr <= FWD.tpr_max and plan.block[1] == 1
     assert tpr * tiles * npt >= nvec > (tpr - warp) * tiles * npt  # the fewest warps
@@ -309,7 +307,24 @@ def test_forward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most)
     assert plan.smem == slots * slot and npt <= slots <= 2 * npt
     assert slots == 2 * npt or (slots + 1) * slot > _SMEM_PER_SM - 1024  # all that fits
     assert plan.grid == (1, tiles)
+
+
+def _resident_plan(pass_, dt, M, N, warp, ln, most, off, expect):
+    """The ``pass_`` plan, asserted to hold rows in a cluster's shared memory exactly where
+    ``expect(16-byte vectors, vectors per row)`` says, else to be the plan of config ``off``
+    (without them), its kernels in the offline list: (the plan where it does, else None, and
+    the row's vectors)."""
+    plan, built = _plan_without_gpu(pass_, dt, M, N, warp, is_ln=ln, most_blocks=most)
+    other, _ = _plan_without_gpu(pass_, dt, M, N, warp, is_ln=ln, most_blocks=most, config=off)
+    dtype = _dtype(dt)
+    vec = _layout.vec_width(dtype, N, (N,), [])
+    taken = plan.variant == f"{pass_}_resident"
+    assert taken == expect(vec * dtype.itemsize == 16, N // vec)
     assert set(built.values()) <= _plan.all_kernel_names(warp)
+    if not taken:
+        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
+            other.variant, other.grid, other.block, other.smem)
+    return (plan if taken else None), N // vec
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
@@ -549,25 +564,21 @@ def test_backward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most
     the shared memory of those tiles: the fewest whole warps, two buffers of x and dy and
     gamma once; a grid of one such cluster writes dgamma/dbeta itself. Every other plan is the
     one without them."""
-    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, is_ln=ln, most_blocks=most)
-    off, _ = _plan_without_gpu("bwd", dt, M, N, warp, is_ln=ln, most_blocks=most,
-                               config=Config(bwd=BwdConfig(resident_npt=0)))
-    dtype = _dtype(dt)
-    vec = _layout.vec_width(dtype, N, (N,), [])
-    npt, tiles, nvec = BWD.resident_npt, BWD.cluster_tiles_long, N // vec
-    expect = (vec * dtype.itemsize == 16 and tiles <= most and M >= BWD.resident_rows
-              and tiles * 512 * BWD.cluster_npt < nvec <= tiles * 1024 * npt)
-    assert (plan.variant == "bwd_resident") == expect
-    if not expect:
-        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
-            off.variant, off.grid, off.block, off.smem)
+    npt, tiles = BWD.resident_npt, BWD.cluster_tiles_long
+
+    def expect(wide, nvec):
+        return (wide and tiles <= most and M >= BWD.resident_rows
+                and tiles * 512 * BWD.cluster_npt < nvec <= tiles * 1024 * npt)
+
+    off = Config(bwd=BwdConfig(resident_npt=0))
+    plan, nvec = _resident_plan("bwd", dt, M, N, warp, ln, most, off, expect)
+    if plan is None:
         return
-    tpr = plan.block[0]
+    tpr, vec = plan.block[0], plan.spec.vec
     assert plan.spec.resident and plan.spec.tiles == tiles and plan.spec.npt == npt
     assert tpr % warp == 0 and tpr * tiles * npt >= nvec > (tpr - warp) * tiles * npt
-    assert plan.smem == npt * tpr * (4 * 16 + vec * dtype.itemsize)
+    assert plan.smem == npt * tpr * (4 * 16 + vec * plan.spec.wdtype.itemsize)
     assert plan.grid == (1, tiles) and plan.direct and "reduce" not in plan.launch
-    assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
