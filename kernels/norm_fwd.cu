@@ -445,8 +445,8 @@ template <typename P> struct RingRow {
 };
 
 // Rows split over the CL blocks of a cluster and held in their shared memory (sm_90; the
-// planner's choice for rows longer than the cluster's registers hold, rows outnumbering the
-// resident clusters): x read once, the cluster's resident clusters looping over rows. Each
+// planner's choice for rows longer than one chunk of 8 blocks' registers, at least two per
+// resident cluster): x read once, the resident clusters looping over rows. Each
 // thread keeps its NPT vectors of a row in a ring of `slots` slots (as many as the launch's
 // dynamic shared memory holds, at most 2 * NPT): the next row's first slots - NPT vectors are
 // copied (cp.async) into the free slots before this row's reductions, and each later one into
