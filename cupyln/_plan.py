@@ -722,7 +722,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
     spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
-    smem = npt * tpr * (4 * 16 + vec * wdtype.itemsize)  # x and dy twice, gamma once
+    smem = staging_bytes(info, dtype, vec, npt, tpr, 1, wdtype)  # bwd_rows' staged layout
     fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
     if not fit or M < cfg.resident_rows * fit:
         return None
