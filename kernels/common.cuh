@@ -363,13 +363,20 @@ __device__ __forceinline__ void async_commit() {
 #endif
 }
 
+// The dynamic shared memory the launch gave (CUDA sm_80 on, where cp.async staging uses it).
+__device__ __forceinline__ unsigned int dynamic_smem_bytes() {
+  unsigned int have = 0;
+#if CLN_ASYNC_COPY
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+#endif
+  return have;
+}
+
 // Traps when the launch gave less dynamic shared memory than `bytes` (a host/kernel mismatch
 // would otherwise overrun it silently).
 __device__ __forceinline__ void require_dynamic_smem(unsigned int bytes) {
 #if CLN_ASYNC_COPY
-  unsigned int have;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-  if (have < bytes) cl_trap();
+  if (dynamic_smem_bytes() < bytes) cl_trap();
 #endif
 }
 

@@ -463,9 +463,7 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_resident(CLN_FWD_PARAMS) {
   cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const P* ring = reinterpret_cast<const P*>(cl_smem) + threadIdx.x;
-  unsigned int bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-  const int slots = min((int)(bytes / (blockDim.x * sizeof(P))), 2 * NPT);
+  const int slots = min((int)(dynamic_smem_bytes() / (blockDim.x * sizeof(P))), 2 * NPT);
   if (slots < NPT) cl_trap();  // a host/kernel mismatch: the row would not fit
   const int early = slots - NPT;  // the next row's vectors copied before this row's reductions
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, tile = (cl_i64)blockIdx.y * chunk;
