@@ -127,6 +127,9 @@ class Spec(NamedTuple):
             if self.wide:  # few long rows in parts over the grid
                 names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
                 names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
+            if self.stages and not self.residual:  # rows split over a cooperative grid
+                names["bwd_grid"] = f"norm_bwd_grid<{a}, cln::direct>"
+                names["bwd_grid_staged"] = f"norm_bwd_grid<{a}, cln::staged>"
         return names
 
     def _fwd_names(self):

@@ -196,6 +196,12 @@ class BwdConfig:
     # 165, 64x262144 bf16 72.5 / 78.0). 0: off.
     resident_npt: int = 2
     resident_rows: float = 2.0
+    # Rows of more than `grid_vecs` 16-byte vectors (CUDA) on column tiles of `grid_tpr` threads
+    # x `tile_npt` vectors spread over a cooperative grid (every block resident at once), whose
+    # blocks add each row's sums through global memory: x and dy read once, not twice as by
+    # row sums and tiles. Staged as `stage` says for blocks that loop over rows. 0: off.
+    grid_vecs: int = 0
+    grid_tpr: int = 256
 
     __post_init__ = _check_stage
 

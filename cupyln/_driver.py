@@ -74,15 +74,25 @@ def max_active_clusters(kern, cluster, block, smem):
     return n.value if err == 0 else 0
 
 
+def resident_blocks(kern, block, smem):
+    """Blocks of ``kern`` (``block`` threads, ``smem`` bytes of dynamic shared memory) that one
+    multiprocessor runs at once, as the driver counts them: a cooperative grid of at most that
+    many per multiprocessor is accepted."""
+    allow_smem(kern, smem)
+    return _drv.occupancyMaxActiveBlocksPerMultiprocessor(kern.kernel.ptr, block, smem)
+
+
 class Launcher:
     """One kernel with a fixed grid, block and dynamic shared memory, on the device whose
-    RawKernel it was made from. ``launcher(stream_ptr, *args)`` launches on that stream."""
+    RawKernel it was made from. ``launcher(stream_ptr, *args)`` launches on that stream;
+    ``cooperative``: every block resident at once (the driver refuses a grid that cannot be)."""
 
     __slots__ = ("kern", "dev", "grid", "block", "smem", "kinds", "_dims", "_buf", "_params",
-                 "_params_ptr", "_pack", "_lock")
+                 "_params_ptr", "_pack", "_lock", "_launch")
 
-    def __init__(self, kern, grid, block, smem, kinds):
+    def __init__(self, kern, grid, block, smem, kinds, cooperative=False):
         self.kern, self.kinds = kern, kinds
+        self._launch = _cooperative if cooperative else _drv.launchKernel
         self.dev = _rt.getDevice()  # plans are made with their device current
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = tuple(block) + (1,) * (3 - len(block))
@@ -103,7 +113,7 @@ class Launcher:
         with self._lock:
             self._pack(self._buf, 0, *args)
             try:
-                _drv.launchKernel(*self._dims, stream, self._params_ptr, 0)
+                self._launch(*self._dims, stream, self._params_ptr, 0)
             except _drv.CUDADriverError as e:
                 self._relaunch(e, stream)
 
@@ -114,7 +124,7 @@ class Launcher:
         if err.status == _INVALID_CONTEXT and not _drv.ctxGetCurrent():
             _rt.setDevice(self.dev)  # CUDA 12+: makes the primary context current
             try:
-                _drv.launchKernel(*self._dims, stream, self._params_ptr, 0)
+                self._launch(*self._dims, stream, self._params_ptr, 0)
                 return
             except _drv.CUDADriverError as e:
                 err = e
@@ -122,3 +132,8 @@ class Launcher:
             f"cupyln: kernel launch failed: {err} (grid {self.grid}, block {self.block}, "
             f"{self.smem} bytes of dynamic shared memory)"
         ) from err
+
+
+def _cooperative(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """cuLaunchCooperativeKernel with cuLaunchKernel's arguments (it takes no ``extra``)."""
+    _drv.launchCooperativeKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params)

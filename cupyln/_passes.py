@@ -130,8 +130,8 @@ class HotFwd(_Prepared):
 
 class HotBwd(_Prepared):
     __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
-                 "atomic", "flushed", "dynamic", "counted", "acc_bytes", "ext", "rowsums",
-                 "partial", "parts", "scratch_only", "ldres", "peel")
+                 "atomic", "flushed", "dynamic", "counted", "acc_bytes", "grid_sums", "ext",
+                 "rowsums", "partial", "parts", "scratch_only", "ldres", "peel")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
                  ldx, lddy, M, N, ldres=None):
@@ -157,8 +157,12 @@ class HotBwd(_Prepared):
         self.flushed = self.atomic or (params and "reduce" not in plan.launch)
         self.dynamic = dynamic
         self.main = plan.launch["bwd_dyn" if dynamic else "bwd"]
-        self.counted = self.flushed or dynamic
+        # a cooperative grid's row sums: in the zeroed area, after the atomic sums
+        grid = plan.variant.startswith("bwd_grid")
+        self.counted = self.flushed or dynamic or grid
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
+        self.grid_sums = self.acc_bytes if grid else 0
+        self.acc_bytes += _plan.grid_sums_bytes(plan) if grid else 0
         merge = plan.launch.get("rowsums_merge")
         G = plan.launch["rowsums"].grid[1] if merge else 0  # parts per row
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
@@ -227,6 +231,8 @@ class HotBwd(_Prepared):
                 ap = scratch + _ACC_OFFSET
             if self.dynamic:  # the rows' ticket counter, after the last block's
                 tk = scratch + _TICKETS
+            elif self.grid_sums:
+                tk = scratch + self.grid_sums
         self.main(stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk, pp, M,
                   N, drp, self.ldres or 0)
         if pp and "reduce" in launch:

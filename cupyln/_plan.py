@@ -654,9 +654,10 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     if not fused:
         g = spread(g, M, info.warp, int(cfg.spread * info.sms))
     if not g.fits and not residual:
-        resident = _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec)
-        if resident is not None:
-            return resident
+        for rule in (_plan_bwd_grid, _plan_bwd_resident):
+            plan = rule(config, info, dtype, wdtype, is_ln, M, N, vec)
+            if plan is not None:
+                return plan
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip,
                     residual=residual)
@@ -732,6 +733,42 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     return Plan(spec, "bwd_resident", kerns["bwd_resident"], grid, block, smem, launch,
                 direct=grid[0] == 1)
+
+
+def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
+    """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA) on column tiles of ``grid_tpr``
+    threads x ``tile_npt`` vectors, in as many rows of tiles (at most M) as run at once, the
+    grid launched cooperatively; None elsewhere (or where one row of tiles does not fit)."""
+    cfg = config.bwd
+    if not (cfg.grid_vecs and not info.hip and vec * dtype.itemsize == 16
+            and N // vec > cfg.grid_vecs):
+        return None
+    tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1  # the module's
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles)
+    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    block = (cfg.grid_tpr, 1)
+    columns = cdiv(N // vec, cfg.grid_tpr * cfg.tile_npt)  # column tiles per row
+    name, smem = "bwd_grid", 0
+    if info.async_copy and stages(cfg.stage, M > 1):
+        name = "bwd_grid_staged"
+        smem = staging_bytes(info, dtype, vec, cfg.tile_npt, cfg.grid_tpr, 1, wdtype)
+    groups = min(M, info.sms * _driver.resident_blocks(kerns[name], block[0], smem) // columns)
+    # each group's counter counts its rows' tiles in 32 bits
+    if groups < 1 or cdiv(M, groups) * columns >= 2**32:
+        return None
+    grid = (groups, columns)
+    launch = {"bwd": Launcher(kerns[name], grid, block, smem, _BWD_ARGS, cooperative=True)}
+    if groups > 1:
+        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
+    return Plan(spec, name, kerns[name], grid, block, smem, launch, direct=groups == 1)
+
+
+def grid_sums_bytes(plan):
+    """The zeroed area of a cooperative grid's row sums (GridRowSums): a counter per row group
+    and one more, rounded up to 4, then two rows' sums per group and tile."""
+    groups, columns = plan.grid[:2]
+    acc = ACC_DTYPES[plan.spec.dtype].itemsize
+    return 4 * round_up(groups + 1, 4) + groups * 2 * columns * 2 * acc
 
 
 def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):

@@ -181,7 +181,7 @@ __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1
 // ADD: the fused residual add's backward, dres (row stride ldres) added to dx; a compile-time
 // choice, so the other kernels keep their registers and instructions.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool LAST, int XC = 1, bool DYN = false, bool ADD = false>
+          bool LAST, int XC = 1, bool DYN = false, bool ADD = false, bool GRID = false>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
@@ -192,6 +192,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
+  // GRID: one row per block, the row sums' area given as `tickets`
+  if (GRID && (blockDim.y != 1 || tickets == nullptr)) cl_trap();
+  const GridRowSums<2, WARP, typename Acc<T>::type> grid(tickets);
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
@@ -356,6 +359,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
       s[0] = valid ? rowsums[2 * row] : C(0);
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
+    } else if constexpr (GRID) {
+      row_allreduce<WARP>(s, phase);  // this tile's sums, then every tile's
+      grid.allreduce(s, phase);
     } else if constexpr (CL > 1) {
       cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
     } else {
@@ -394,6 +400,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // a cluster's blocks leave together: none exits while its last row's sums may still be on
   // their way into another block's shared memory
   if constexpr (CL > 1) cluster_sync();
+  if constexpr (GRID) grid.leave();
   if constexpr (XC > 1) csum.ready();
   flush_params<W, VEC, NPT, XC, LAST>(acc_g, acc_b, csum, c0, N, dgamma, dbeta, accum, counter,
                                       partial);
@@ -553,6 +560,15 @@ template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAG
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
+}
+
+// Long rows on gridDim.y column tiles anywhere on the GPU whose blocks add their tiles' row sums
+// through global memory (GridRowSums): x and dy read once where no cluster holds the row. The
+// host launches it cooperatively (every block resident at once), one row per block, and gives
+// the sums' zeroed area as `tickets`.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
+__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_grid(CLN_BWD_PARAMS) {
+  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, false, 1, false, false, true>(CLN_BWD_ARGS);
 }
 
 // Long rows whose x and dy stay in the shared memory of a cluster of CL column tiles (sm_90;
