@@ -43,6 +43,7 @@ class Spec(NamedTuple):
     residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
     peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
     resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
+    grid: tuple[int, int] = ()  # rows split over a cooperative grid: (buffers, lag) (alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -82,6 +83,11 @@ class Spec(NamedTuple):
         a = self._args()
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         w = CTYPES[self.wdtype]
+        if self.grid:  # long rows split over a cooperative grid (pass 'bwd_long')
+            return {"bwd_grid": f"norm_bwd_grid<{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, "
+                                f"{self.npt}, {self.warp}, {self.grid[0]}, {self.grid[1]}>",
+                    "reduce": f"norm_bwd_reduce<{acc}, {w}>",
+                    "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
         if self.resident:  # long rows in a cluster's shared memory (pass 'bwd_long')
             return {"bwd_resident": f"norm_bwd_resident<{CTYPES[self.dtype]}, {w}, "
                                     f"{_op(self.is_ln)}, {self.npt}, {self.warp}, {self.tiles}>",
@@ -127,9 +133,6 @@ class Spec(NamedTuple):
             if self.wide:  # few long rows in parts over the grid
                 names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
                 names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
-            if self.stages and not self.residual:  # rows split over a cooperative grid
-                names["bwd_grid"] = f"norm_bwd_grid<{a}, cln::direct>"
-                names["bwd_grid_staged"] = f"norm_bwd_grid<{a}, cln::staged>"
         return names
 
     def _fwd_names(self):
@@ -202,6 +205,7 @@ class Spec(NamedTuple):
             + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
             + (f", h={self.hdtype}" if self.hdtype is not None else "")
             + (", peeled" if self.peeled else "") + (", resident" if self.resident else "")
+            + (f", grid={self.grid}" if self.grid else "")
             + (", dresidual]" if self.residual else "]")
         )
 

@@ -197,11 +197,15 @@ class BwdConfig:
     resident_npt: int = 2
     resident_rows: float = 2.0
     # Rows of more than `grid_vecs` 16-byte vectors (CUDA) on column tiles of `grid_tpr` threads
-    # x `tile_npt` vectors spread over a cooperative grid (every block resident at once), whose
+    # x `grid_npt` vectors spread over a cooperative grid (every block resident at once), whose
     # blocks add each row's sums through global memory: x and dy read once, not twice as by
-    # row sums and tiles. Staged as `stage` says for blocks that loop over rows. 0: off.
+    # row sums and tiles. Each block holds `grid_buffers` rows of x and dy in shared memory and
+    # waits for a row's sums `grid_lag` rows after giving its own. 0: off.
     grid_vecs: int = 0
     grid_tpr: int = 256
+    grid_npt: int = 2
+    grid_buffers: int = 4
+    grid_lag: int = 1
 
     __post_init__ = _check_stage
 

@@ -736,39 +736,37 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
 
 
 def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
-    """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA) on column tiles of ``grid_tpr``
-    threads x ``tile_npt`` vectors, in as many rows of tiles (at most M) as run at once, the
-    grid launched cooperatively; None elsewhere (or where one row of tiles does not fit)."""
+    """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA, cp.async) on column tiles of
+    ``grid_tpr`` threads x ``grid_npt`` vectors, in as many rows of tiles (at most M) as run at
+    once, the grid launched cooperatively; None elsewhere (or where one row of tiles does not
+    fit)."""
     cfg = config.bwd
-    if not (cfg.grid_vecs and not info.hip and vec * dtype.itemsize == 16
+    if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
             and N // vec > cfg.grid_vecs):
         return None
-    tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1  # the module's
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp,
+                grid=(cfg.grid_buffers, cfg.grid_lag))
     kerns = _compile.kernels(spec, "bwd_long", config.source)
-    block = (cfg.grid_tpr, 1)
-    columns = cdiv(N // vec, cfg.grid_tpr * cfg.tile_npt)  # column tiles per row
-    name, smem = "bwd_grid", 0
-    if info.async_copy and stages(cfg.stage, M > 1):
-        name = "bwd_grid_staged"
-        smem = staging_bytes(info, dtype, vec, cfg.tile_npt, cfg.grid_tpr, 1, wdtype)
-    groups = min(M, info.sms * _driver.resident_blocks(kerns[name], block[0], smem) // columns)
+    kern, tpr = kerns["bwd_grid"], cfg.grid_tpr
+    columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row
+    smem = (cfg.grid_buffers * 2 * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr  # x, dy; gamma
+    groups = min(M, info.sms * _driver.resident_blocks(kern, tpr, smem) // columns)
     # each group's counter counts its rows' tiles in 32 bits
     if groups < 1 or cdiv(M, groups) * columns >= 2**32:
         return None
-    grid = (groups, columns)
-    launch = {"bwd": Launcher(kerns[name], grid, block, smem, _BWD_ARGS, cooperative=True)}
+    grid, block = (groups, columns), (tpr, 1)
+    launch = {"bwd": Launcher(kern, grid, block, smem, _BWD_ARGS, cooperative=True)}
     if groups > 1:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    return Plan(spec, name, kerns[name], grid, block, smem, launch, direct=groups == 1)
+    return Plan(spec, "bwd_grid", kern, grid, block, smem, launch, direct=groups == 1)
 
 
 def grid_sums_bytes(plan):
     """The zeroed area of a cooperative grid's row sums (GridRowSums): a counter per row group
-    and one more, rounded up to 4, then two rows' sums per group and tile."""
+    and one more, rounded up to 4, then 2 * lag + 2 rows' sums per group and tile."""
     groups, columns = plan.grid[:2]
     acc = ACC_DTYPES[plan.spec.dtype].itemsize
-    return 4 * round_up(groups + 1, 4) + groups * 2 * columns * 2 * acc
+    return 4 * round_up(groups + 1, 4) + groups * (2 * plan.spec.grid[1] + 2) * columns * 2 * acc
 
 
 def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):

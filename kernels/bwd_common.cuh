@@ -145,51 +145,61 @@ template <typename C> __device__ __forceinline__ C load_l2(const C* p) {
 }
 
 // Row sums of rows split over the gridDim.y column tiles of a cooperative grid (every block
-// resident at once; the host launches it so), through global memory: each block puts its tile's
-// sums of the row in a slot, counts itself in its row group's counter (group = blockIdx.x, whose
-// blocks take the same rows in the same order) and waits until all tiles have; then each block
-// adds the slots in tile order, so every tile gets the same bits. `area` is zeroed memory, left
-// zeroed by the last block to leave: gridDim.x counters and a count of blocks done (rounded up
-// to 4), then the slots [gridDim.x][2][gridDim.y][K] (two rows per group: a block writes row
-// r + 2 only after every tile has passed row r + 1, so after each has read row r).
-template <int K, int WARP, typename C> struct GridRowSums {
+// resident at once; the host launches it so), through global memory: each block publishes its
+// tile's sums of a row in a slot and counts itself in its row group's counter (group =
+// blockIdx.x, whose blocks take the same rows in the same order); collecting them waits until
+// all tiles have, then adds the slots in tile order, so every tile gets the same bits. Rows are
+// numbered per group (i = 0, 1, ...). `area` is zeroed memory, left zeroed by the last block to
+// leave: gridDim.x counters and a count of blocks done (rounded up to 4), then the slots
+// [gridDim.x][SL][gridDim.y][K]. A block that collects row i at most LAG rows after publishing
+// it writes row i + SL only after every tile has collected row i where SL >= 2 * LAG + 2.
+template <int K, int WARP, int SL, typename C> struct GridRowSums {
   unsigned int* count;
   C* slots;
   __device__ __forceinline__ explicit GridRowSums(unsigned int* area)
       : count(area), slots(reinterpret_cast<C*>(area + ((gridDim.x + 4) & ~3u))) {}
 
-  // Every thread of the block, with its row's block sums in v (one row per block); phase
-  // counts the block's rows from 0.
-  __device__ __forceinline__ void allreduce(C (&v)[K], int phase) const {
+  __device__ __forceinline__ C* row(cl_i64 i) const {
+    return slots + ((cl_i64)blockIdx.x * SL + i % SL) * gridDim.y * K;
+  }
+
+  // Every thread of the block, with the block's sums of row i in v.
+  __device__ __forceinline__ void publish(const C (&v)[K], cl_i64 i) const {
+    if (threadIdx.x != 0) return;
+    C* r = row(i);
+#pragma unroll
+    for (int k = 0; k < K; ++k) r[blockIdx.y * K + k] = v[k];
+    __threadfence();  // the sums before the count
+    atomicAdd(count + blockIdx.x, 1u);
+  }
+
+  // Every thread of the block: row i's sums over all tiles into v.
+  __device__ __forceinline__ void collect(C (&v)[K], cl_i64 i) const {
     __shared__ C total[2][K];
     const int tid = threadIdx.x, tiles = gridDim.y;
-    C* row = slots + ((cl_i64)blockIdx.x * 2 + (phase & 1)) * tiles * K;
     if (tid == 0) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) row[blockIdx.y * K + k] = v[k];
-      __threadfence();  // the sums before the count
-      atomicAdd(count + blockIdx.x, 1u);
-      const unsigned int want = (unsigned int)(phase + 1) * tiles;
+      const unsigned int want = (unsigned int)(i + 1) * tiles;
       while (*reinterpret_cast<volatile unsigned int*>(count + blockIdx.x) < want) {
       }
       __threadfence();  // the count before the sums
     }
     __syncthreads();
     if (tid < WARP) {
+      const C* r = row(i);
       C s[K];
 #pragma unroll
       for (int k = 0; k < K; ++k) s[k] = C(0);
       for (int b = tid; b < tiles; b += WARP)
 #pragma unroll
-        for (int k = 0; k < K; ++k) s[k] += load_l2(row + b * K + k);
+        for (int k = 0; k < K; ++k) s[k] += load_l2(r + b * K + k);
       warp_allreduce<WARP, WARP>(s);
       if (tid == 0)
 #pragma unroll
-        for (int k = 0; k < K; ++k) total[phase & 1][k] = s[k];
+        for (int k = 0; k < K; ++k) total[i & 1][k] = s[k];
     }
     __syncthreads();
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = total[phase & 1][k];
+    for (int k = 0; k < K; ++k) v[k] = total[i & 1][k];
   }
 
   // Every thread, after its block's last row: the last block to leave zeroes the area again.
@@ -200,7 +210,8 @@ template <int K, int WARP, typename C> struct GridRowSums {
     if (threadIdx.x == 0) is_last = atomicAdd(count + gridDim.x, 1u) == blocks - 1;
     __syncthreads();
     if (!is_last) return;
-    const cl_i64 n = (cl_i64)gridDim.x * 2 * gridDim.y * K;
+    __threadfence();
+    const cl_i64 n = (cl_i64)gridDim.x * SL * gridDim.y * K;
     for (cl_i64 i = threadIdx.x; i < n; i += blockDim.x) slots[i] = C(0);
     for (unsigned int i = threadIdx.x; i <= gridDim.x; i += blockDim.x) count[i] = 0;
   }

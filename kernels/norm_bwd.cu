@@ -181,7 +181,7 @@ __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1
 // ADD: the fused residual add's backward, dres (row stride ldres) added to dx; a compile-time
 // choice, so the other kernels keep their registers and instructions.
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
-          bool LAST, int XC = 1, bool DYN = false, bool ADD = false, bool GRID = false>
+          bool LAST, int XC = 1, bool DYN = false, bool ADD = false>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
@@ -192,9 +192,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   // one cluster in all (two would each write dgamma/dbeta from their own rows only)
   if (XC > 1 && (gridDim.x != XC || gridDim.y != 1)) cl_trap();
-  // GRID: one row per block, the row sums' area given as `tickets`
-  if (GRID && (blockDim.y != 1 || tickets == nullptr)) cl_trap();
-  const GridRowSums<2, WARP, typename Acc<T>::type> grid(tickets);
   // Staged rows (STAGE; see below), and DYN: the staged rows from tickets (see the loop)
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY && sizeof(P) >= 4;
   constexpr bool DYNAMIC = DYN && STAGED && CL == 1 && XC == 1;
@@ -359,9 +356,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (rowsums) {  // long rows: the sums come from norm_bwd_rowsums
       s[0] = valid ? rowsums[2 * row] : C(0);
       s[1] = valid ? rowsums[2 * row + 1] : C(0);
-    } else if constexpr (GRID) {
-      row_allreduce<WARP>(s, phase);  // this tile's sums, then every tile's
-      grid.allreduce(s, phase);
     } else if constexpr (CL > 1) {
       cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
     } else {
@@ -400,7 +394,6 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // a cluster's blocks leave together: none exits while its last row's sums may still be on
   // their way into another block's shared memory
   if constexpr (CL > 1) cluster_sync();
-  if constexpr (GRID) grid.leave();
   if constexpr (XC > 1) csum.ready();
   flush_params<W, VEC, NPT, XC, LAST>(acc_g, acc_b, csum, c0, N, dgamma, dbeta, accum, counter,
                                       partial);
@@ -562,13 +555,74 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
   bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
 }
 
-// Long rows on gridDim.y column tiles anywhere on the GPU whose blocks add their tiles' row sums
-// through global memory (GridRowSums): x and dy read once where no cluster holds the row. The
-// host launches it cooperatively (every block resident at once), one row per block, and gives
-// the sums' zeroed area as `tickets`.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE>
-__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_grid(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, false, 1, false, false, true>(CLN_BWD_ARGS);
+// One row of NPT vectors per thread in shared memory (x and dy: px, pdy; gamma staged once in
+// gstage, read where the kernel's gamma is not null), for the kernels that read a row twice from there:
+// its two sums (s) with this thread's dgamma/dbeta terms added, then dx = g * rs - (xhat * a +
+// b) as bwd_rows'. 16-bit LayerNorm reads one vector at a time (hoisted together, the loads
+// spilled: 370.6 against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so).
+template <bool LN, typename T, int VEC, typename W, typename G, typename C,
+          typename P = Pack<T, VEC>>
+__device__ __forceinline__ void smem_row_vec(const SmemRow<P>& px, const SmemRow<P>& pdy,
+                                             const W* gamma, const G* gstage, int k, C mu,
+                                             cl_i64 c0, cl_i64 N, P& xk, P& dk, G& gk, C& mk) {
+  constexpr bool ONE_AT_A_TIME = LN && sizeof(T) == 2;
+  if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
+  xk = px[k];
+  dk = pdy[k];
+  if (gamma) gk = gstage[k * px.stride + threadIdx.x];
+  mk = c0 + ((cl_i64)k * px.stride + threadIdx.x) * VEC < N ? mu : C(0);  // x is 0 past N
+}
+
+template <bool LN, int NPT, typename T, int VEC, typename W, typename G, typename C,
+          typename P = Pack<T, VEC>>
+__device__ __forceinline__ void smem_row_sums(const SmemRow<Pack<T, VEC>>& px,
+                                              const SmemRow<P>& pdy, const W* gamma,
+                                              const G* gstage, C mu, C rs, cl_i64 c0, cl_i64 N,
+                                              C (&acc_g)[NPT][VEC], C (&acc_b)[NPT][VEC],
+                                              C (&s)[2]) {
+  s[0] = s[1] = C(0);
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    P xk, dk;
+    G gk;
+    C mk;
+    smem_row_vec<LN, T, VEC>(px, pdy, gamma, gstage, k, mu, c0, N, xk, dk, gk, mk);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const C d = (C)elem(dk, j), xh = ((C)elem(xk, j) - mk) * rs;
+      acc_g[k][j] = cl_fma(d, xh, acc_g[k][j]);
+      acc_b[k][j] += d;
+      const C g = gamma ? d * (C)elem(gk, j) : d;
+      s[0] += g;
+      s[1] = cl_fma(g, xh, s[1]);
+    }
+  }
+}
+
+template <bool LN, int NPT, typename T, int VEC, typename W, typename G, typename C,
+          typename P = Pack<T, VEC>>
+__device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
+                                            const SmemRow<P>& pdy, const W* gamma,
+                                            const G* gstage, C mu, C rs, C inv_n, const C (&s)[2],
+                                            cl_i64 c0, cl_i64 N, T* dxr) {
+  const C a = rs * (s[1] * inv_n);
+  const C b = LN ? rs * (s[0] * inv_n) : C(0);
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const cl_i64 col = c0 + ((cl_i64)k * px.stride + threadIdx.x) * VEC;
+    if (col >= N) continue;
+    P xk, dk;
+    G gk;
+    C mk, o[VEC];
+    smem_row_vec<LN, T, VEC>(px, pdy, gamma, gstage, k, mu, c0, N, xk, dk, gk, mk);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const C xh = ((C)elem(xk, j) - mk) * rs;
+      const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
+      o[j] = g * rs - (xh * a + b);
+    }
+    store_vec<VEC>(dxr + col, o);
+  }
 }
 
 // Long rows whose x and dy stay in the shared memory of a cluster of CL column tiles (sm_90;
@@ -587,7 +641,6 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
   constexpr int CSLOTS = cluster_slots<CL, WARP, 1024>();
-  constexpr bool ONE_AT_A_TIME = LN && sizeof(T) == 2;
   cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
@@ -618,56 +671,10 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
     async_wait<1>();  // this row's copies have landed; the next row's stay in flight
     const SmemRow<P> px{stage + (phase & 1) * 2 * NPT * threads + t, threads};
     const SmemRow<P> pdy{px.base + NPT * threads, threads};
-    // vector k's x - mean (0 past N, where x is 0), dy and gamma, read from shared memory
-    auto at = [&](int k, P& xk, P& dk, G& gk, C& mk) {
-      xk = px[k];
-      dk = pdy[k];
-      if (gamma) gk = gstage[k * threads + t];
-      mk = c0 + ((cl_i64)k * threads + t) * VEC < N ? mu : C(0);
-    };
-    C s[2] = {C(0), C(0)};
-#pragma unroll
-    for (int k = 0; k < NPT; ++k) {
-      P xk, dk;
-      G gk;
-      C mk;
-      // 16-bit LayerNorm: one vector's loads at a time (hoisted together, they spilled: 370.6
-      // against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so)
-      if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
-      at(k, xk, dk, gk, mk);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const C d = (C)elem(dk, j), xh = ((C)elem(xk, j) - mk) * rs;
-        acc_g[k][j] = cl_fma(d, xh, acc_g[k][j]);
-        acc_b[k][j] += d;
-        const C g = gamma ? d * (C)elem(gk, j) : d;
-        s[0] += g;
-        s[1] = cl_fma(g, xh, s[1]);
-      }
-    }
+    C s[2];
+    smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, mu, rs, c0, N, acc_g, acc_b, s);
     cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
-    if (dx) {  // dx = g * rs - (xhat * a + b), as bwd_rows'
-      const C a = rs * (s[1] * inv_n);
-      const C b = LN ? rs * (s[0] * inv_n) : C(0);
-      T* dxr = dx + row * N;
-#pragma unroll
-      for (int k = 0; k < NPT; ++k) {
-        const cl_i64 col = c0 + ((cl_i64)k * threads + t) * VEC;
-        if (col >= N) continue;
-        P xk, dk;
-        G gk;
-        C mk, o[VEC];
-        if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
-        at(k, xk, dk, gk, mk);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const C xh = ((C)elem(xk, j) - mk) * rs;
-          const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
-          o[j] = g * rs - (xh * a + b);
-        }
-        store_vec<VEC>(dxr + col, o);
-      }
-    }
+    if (dx) smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, mu, rs, inv_n, s, c0, N, dx + row * N);
   }
   async_wait<0>();  // the copies past the last row (zeros) land before the block exits
   cluster_sync();   // none exits while its last row's sums may be on their way to another
@@ -676,6 +683,85 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
                                       partial);
 #else
   cl_trap();  // the planner launches it only where clusters and cp.async exist
+#endif
+}
+
+// Long rows on gridDim.y column tiles spread over the GPU, whose blocks add their tiles' row
+// sums through global memory (GridRowSums): x and dy read once where no cluster holds the row.
+// The host launches it cooperatively (every block resident at once) and gives the sums' zeroed
+// area as `tickets`. Each block keeps NB rows of x and dy in shared memory (cp.async, gamma
+// staged once), reads each twice from there as norm_bwd_resident, and collects a row's sums
+// LAG rows after publishing them, so that the wait for the slowest tile overlaps LAG rows' work
+// and NB - LAG rows stay in flight. The flush is bwd_rows' (partials, atomics, or one row of
+// blocks).
+template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG>
+__global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
+#if CLN_ASYNC_COPY
+  static_assert(LAG >= 0 && NB > LAG, "a row in flight at least");
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  typedef Pack<T, VEC> P;
+  typedef typename Held<W, VEC>::type G;
+  if (tickets == nullptr || blockDim.y != 1) cl_trap();
+  const GridRowSums<2, WARP, 2 * LAG + 2, C> sums(tickets);
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  const int t = threadIdx.x, threads = blockDim.x;
+  P* stage = reinterpret_cast<P*>(cl_smem);
+  G* gstage = reinterpret_cast<G*>(stage + NB * 2 * NPT * threads);
+  require_dynamic_smem(NB * 2u * NPT * threads * sizeof(P) + NPT * threads * sizeof(G));
+  const cl_i64 c0 = (cl_i64)blockIdx.y * threads * NPT * VEC;  // this block's column tile
+  const C inv_n = cl_inv_count(C(0), N);
+  C acc_g[NPT][VEC], acc_b[NPT][VEC];
+#pragma unroll
+  for (int k = 0; k < NPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
+  if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
+  const cl_i64 first = blockIdx.x, step = gridDim.x;
+  const cl_i64 n = first < M ? (M - 1 - first) / step + 1 : 0;  // this group's rows
+  auto prefetch = [&](cl_i64 i) {  // the group's row i into buffer i % NB (zeros past n)
+    const bool ok = i < n;
+    const cl_i64 r = ok ? first + i * step : 0;
+    P* d = stage + (i % NB) * 2 * NPT * threads;
+    stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
+    stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
+    async_commit();
+  };
+  auto rows_of = [&](cl_i64 i, SmemRow<P>& px, SmemRow<P>& pdy) {
+    px = SmemRow<P>{stage + (i % NB) * 2 * NPT * threads + t, threads};
+    pdy = SmemRow<P>{px.base + NPT * threads, threads};
+  };
+  for (int i = 0; i < NB - LAG; ++i) prefetch(i);
+  for (cl_i64 i = 0; i < n + LAG; ++i) {
+    async_wait<NB - LAG - 1>();  // row i's copies have landed; the later ones stay in flight
+    SmemRow<P> px, pdy;
+    if (i < n) {  // row i: its sums published, dgamma/dbeta's terms added
+      const cl_i64 row = first + i * step;
+      C s[2];
+      rows_of(i, px, pdy);
+      smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0), (C)rstd[row],
+                             c0, N, acc_g, acc_b, s);
+      row_allreduce<WARP>(s, (int)(i & 1));
+      sums.publish(s, i);
+    }
+    if (i >= LAG) {  // row i - LAG: every tile's sums, then dx
+      const cl_i64 j = i - LAG, row = first + j * step;
+      C s[2];
+      sums.collect(s, j);
+      rows_of(j, px, pdy);
+      if (dx)
+        smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0), (C)rstd[row],
+                             inv_n, s, c0, N, dx + row * N);
+    }
+    prefetch(i + NB - LAG);  // into row i - LAG's buffer, read above by this thread alone
+  }
+  async_wait<0>();  // the copies past the last row (zeros) land before the block exits
+  sums.leave();
+  ClusterSums<1, C> none;
+  flush_params<W, VEC, NPT, 1, false>(acc_g, acc_b, none, c0, N, dgamma, dbeta, accum, counter,
+                                      partial);
+#else
+  cl_trap();  // the planner launches it only where cp.async exists
 #endif
 }
 
