@@ -751,8 +751,8 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
     columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row
     smem = (cfg.grid_buffers * 2 * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr  # x, dy; gamma
     groups = min(M, info.sms * _driver.resident_blocks(kern, tpr, smem) // columns)
-    # each group's counter counts its rows' tiles in 32 bits
-    if groups < 1 or cdiv(M, groups) * columns >= 2**32:
+    # a group's rows are tagged in 32 bits; float32 sums only (GridRowSums' tagged words)
+    if groups < 1 or cdiv(M, groups) >= 2**32 - 1 or dtype == FLOAT64:
         return None
     grid, block = (groups, columns), (tpr, 1)
     launch = {"bwd": Launcher(kern, grid, block, smem, _BWD_ARGS, cooperative=True)}
@@ -762,11 +762,10 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
 
 
 def grid_sums_bytes(plan):
-    """The zeroed area of a cooperative grid's row sums (GridRowSums): a counter per row group
-    and one more, rounded up to 4, then 2 * lag + 2 rows' sums per group and tile."""
+    """The zeroed area of a cooperative grid's row sums (GridRowSums): a count of blocks done
+    (16 bytes), then 2 * lag + 2 rows' two tagged 8-byte sums per group and tile."""
     groups, columns = plan.grid[:2]
-    acc = ACC_DTYPES[plan.spec.dtype].itemsize
-    return 4 * round_up(groups + 1, 4) + groups * (2 * plan.spec.grid[1] + 2) * columns * 2 * acc
+    return 16 + groups * (2 * plan.spec.grid[1] + 2) * columns * 2 * 8
 
 
 def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):

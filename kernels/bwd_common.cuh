@@ -146,60 +146,49 @@ template <typename C> __device__ __forceinline__ C load_l2(const C* p) {
 
 // Row sums of rows split over the gridDim.y column tiles of a cooperative grid (every block
 // resident at once; the host launches it so), through global memory: each block publishes its
-// tile's sums of a row in a slot and counts itself in its row group's counter (group =
-// blockIdx.x, whose blocks take the same rows in the same order); collecting them waits until
-// all tiles have, then adds the slots in tile order, so every tile gets the same bits. Rows are
-// numbered per group (i = 0, 1, ...). `area` is zeroed memory, left zeroed by the last block to
-// leave: gridDim.x counters and a count of blocks done (rounded up to 4), then the slots
-// [gridDim.x][SL][gridDim.y][K]. A block that collects row i at most LAG rows after publishing
-// it writes row i + SL only after every tile has collected row i where SL >= 2 * LAG + 2.
-template <int K, int WARP, int SL, typename C> struct GridRowSums {
-  unsigned int* count;
-  C* slots;
+// tile's float32 sums of a row, each in one 64-bit word with the row's tag (i + 1; rows are
+// numbered per group, group = blockIdx.x, whose blocks take the same rows in the same order), so
+// a reader that sees the tag sees the value: no fence, no counter. Collecting them waits for
+// every tile's tags, then adds the tiles in one fixed order (every block gets the same bits).
+// `area` is zeroed memory, left zeroed by the last block to leave (stale tags would match a
+// later launch's): a count of blocks done (16 bytes), then the slots [gridDim.x][SL][gridDim.y]
+// [K]. A block that collects row i at most LAG rows after publishing it writes row i + SL only
+// after every tile has collected row i where SL >= 2 * LAG + 2.
+template <int K, int WARP, int SL> struct GridRowSums {
+  unsigned int* done;
+  unsigned long long* slots;
   __device__ __forceinline__ explicit GridRowSums(unsigned int* area)
-      : count(area), slots(reinterpret_cast<C*>(area + ((gridDim.x + 4) & ~3u))) {}
+      : done(area), slots(reinterpret_cast<unsigned long long*>(area + 4)) {}
 
-  __device__ __forceinline__ C* row(cl_i64 i) const {
+  __device__ __forceinline__ volatile unsigned long long* row(cl_i64 i) const {
     return slots + ((cl_i64)blockIdx.x * SL + i % SL) * gridDim.y * K;
   }
 
-  // Every thread of the block, with the block's sums of row i in v.
-  __device__ __forceinline__ void publish(const C (&v)[K], cl_i64 i) const {
+  // Thread 0 of the block, with the block's sums of row i in v.
+  __device__ __forceinline__ void publish(const float (&v)[K], cl_i64 i) const {
     if (threadIdx.x != 0) return;
-    C* r = row(i);
+    const unsigned long long tag = (unsigned long long)(i + 1) << 32;
 #pragma unroll
-    for (int k = 0; k < K; ++k) r[blockIdx.y * K + k] = v[k];
-    __threadfence();  // the sums before the count
-    atomicAdd(count + blockIdx.x, 1u);
+    for (int k = 0; k < K; ++k) row(i)[blockIdx.y * K + k] = tag | __float_as_uint(v[k]);
   }
 
-  // Every thread of the block: row i's sums over all tiles into v.
-  __device__ __forceinline__ void collect(C (&v)[K], cl_i64 i) const {
-    __shared__ C total[2][K];
-    const int tid = threadIdx.x, tiles = gridDim.y;
-    if (tid == 0) {
-      const unsigned int want = (unsigned int)(i + 1) * tiles;
-      while (*reinterpret_cast<volatile unsigned int*>(count + blockIdx.x) < want) {
+  // Every thread of the block: row i's sums over all tiles into v (phase: row_allreduce's).
+  __device__ __forceinline__ void collect(float (&v)[K], cl_i64 i, int phase) const {
+    const unsigned int tag = (unsigned int)(i + 1);
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = 0.f;
+    for (unsigned int b = threadIdx.x; b < gridDim.y; b += blockDim.x) {
+      volatile unsigned long long* p = row(i) + b * K;
+      unsigned long long w[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) w[k] = p[k];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        while ((unsigned int)(w[k] >> 32) != tag) w[k] = p[k];
+        v[k] += __uint_as_float((unsigned int)w[k]);
       }
-      __threadfence();  // the count before the sums
     }
-    __syncthreads();
-    if (tid < WARP) {
-      const C* r = row(i);
-      C s[K];
-#pragma unroll
-      for (int k = 0; k < K; ++k) s[k] = C(0);
-      for (int b = tid; b < tiles; b += WARP)
-#pragma unroll
-        for (int k = 0; k < K; ++k) s[k] += load_l2(r + b * K + k);
-      warp_allreduce<WARP, WARP>(s);
-      if (tid == 0)
-#pragma unroll
-        for (int k = 0; k < K; ++k) total[i & 1][k] = s[k];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = total[i & 1][k];
+    row_allreduce<WARP>(v, phase);
   }
 
   // Every thread, after its block's last row: the last block to leave zeroes the area again.
@@ -207,13 +196,12 @@ template <int K, int WARP, int SL, typename C> struct GridRowSums {
     __shared__ bool is_last;
     const unsigned int blocks = gridDim.x * gridDim.y;
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(count + gridDim.x, 1u) == blocks - 1;
+    if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == blocks - 1;
     __syncthreads();
     if (!is_last) return;
-    __threadfence();
     const cl_i64 n = (cl_i64)gridDim.x * SL * gridDim.y * K;
-    for (cl_i64 i = threadIdx.x; i < n; i += blockDim.x) slots[i] = C(0);
-    for (unsigned int i = threadIdx.x; i <= gridDim.x; i += blockDim.x) count[i] = 0;
+    for (cl_i64 i = threadIdx.x; i < n; i += blockDim.x) slots[i] = 0;
+    if (threadIdx.x == 0) *done = 0;
   }
 };
 

@@ -698,12 +698,13 @@ template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG>
 __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 #if CLN_ASYNC_COPY
   static_assert(LAG >= 0 && NB > LAG, "a row in flight at least");
-  typedef typename Acc<T>::type C;
+  typedef float C;  // GridRowSums' tagged words hold float32 sums
+  static_assert(sizeof(typename Acc<T>::type) == sizeof(C), "float32 accumulation");
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
   if (tickets == nullptr || blockDim.y != 1) cl_trap();
-  const GridRowSums<2, WARP, 2 * LAG + 2, C> sums(tickets);
+  const GridRowSums<2, WARP, 2 * LAG + 2> sums(tickets);
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
   P* stage = reinterpret_cast<P*>(cl_smem);
@@ -732,6 +733,7 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
     pdy = SmemRow<P>{px.base + NPT * threads, threads};
   };
   for (int i = 0; i < NB - LAG; ++i) prefetch(i);
+  int phase = 0;  // row_allreduce's calls: consecutive ones use its two buffers in turn
   for (cl_i64 i = 0; i < n + LAG; ++i) {
     async_wait<NB - LAG - 1>();  // row i's copies have landed; the later ones stay in flight
     SmemRow<P> px, pdy;
@@ -741,13 +743,13 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
       rows_of(i, px, pdy);
       smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0), (C)rstd[row],
                              c0, N, acc_g, acc_b, s);
-      row_allreduce<WARP>(s, (int)(i & 1));
+      row_allreduce<WARP>(s, phase++);
       sums.publish(s, i);
     }
     if (i >= LAG) {  // row i - LAG: every tile's sums, then dx
       const cl_i64 j = i - LAG, row = first + j * step;
       C s[2];
-      sums.collect(s, j);
+      sums.collect(s, j, phase++);
       rows_of(j, px, pdy);
       if (dx)
         smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0), (C)rstd[row],
