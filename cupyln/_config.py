@@ -196,12 +196,17 @@ class BwdConfig:
     # 165, 64x262144 bf16 72.5 / 78.0). 0: off.
     resident_npt: int = 2
     resident_rows: float = 2.0
-    # Rows of more than `grid_vecs` 16-byte vectors (CUDA) on column tiles of `grid_tpr` threads
-    # x `grid_npt` vectors spread over a cooperative grid (every block resident at once), whose
-    # blocks add each row's sums through global memory: x and dy read once, not twice as by
-    # row sums and tiles. Each block holds `grid_buffers` rows of x and dy in shared memory and
-    # waits for a row's sums `grid_lag` rows after giving its own. 0: off.
-    grid_vecs: int = 0
+    # Rows of more than `grid_vecs` 16-byte vectors (past what the resident tiles hold; CUDA,
+    # float32 sums) on column tiles of `grid_tpr` threads x `grid_npt` vectors spread over a
+    # cooperative grid (every block resident at once), whose blocks add each row's sums through
+    # global memory, where each row of tiles takes at most `grid_rows` rows: x and dy read once,
+    # not twice as by row sums and tiles (LN 64x1048576 bf16 193.8 against 213.9 us, RMS 188.5 /
+    # 200.5, 8x1048576 31.9 / 48.6, 1x1048576 18.2 / 25.2, LN 256x262144 f32 297.6 / 371.8 in
+    # 3 rows of tiles); more rows lost (128x1048576 377.7 / 364.6). Each block holds
+    # `grid_buffers` rows of x and dy in shared memory and waits for a row's sums `grid_lag` rows
+    # after giving its own (none: 322.0 us at 64x1048576; 6 and 2: 200.8). 0: off.
+    grid_vecs: int = 32768
+    grid_rows: int = 96
     grid_tpr: int = 256
     grid_npt: int = 2
     grid_buffers: int = 4

@@ -160,6 +160,10 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                         bc.cluster_tiles_long > 1:
                     names.update(Spec(t, w, ln, v, bc.resident_npt, warp, bc.cluster_tiles_long,
                                       resident=True).names("bwd_long").values())
+                if v * t.itemsize == 16 and not hip and bc.grid_vecs and t != FLOAT64:
+                    names.update(Spec(t, w, ln, v, bc.grid_npt, warp,
+                                      grid=(bc.grid_buffers, bc.grid_lag)).names("bwd_long")
+                                 .values())  # rows split over a cooperative grid
                 if v * t.itemsize == 16:  # narrower rows peeled
                     for n in PEEL_NPTS:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
@@ -736,13 +740,13 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
 
 
 def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
-    """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA, cp.async) on column tiles of
-    ``grid_tpr`` threads x ``grid_npt`` vectors, in as many rows of tiles (at most M) as run at
-    once, the grid launched cooperatively; None elsewhere (or where one row of tiles does not
-    fit)."""
+    """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA, cp.async, float32 sums) on column
+    tiles of ``grid_tpr`` threads x ``grid_npt`` vectors, in as many rows of tiles (at most M)
+    as run at once, each taking at most ``grid_rows`` rows, the grid launched cooperatively;
+    None elsewhere."""
     cfg = config.bwd
     if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
-            and N // vec > cfg.grid_vecs):
+            and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp,
                 grid=(cfg.grid_buffers, cfg.grid_lag))
@@ -751,8 +755,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
     columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row
     smem = (cfg.grid_buffers * 2 * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr  # x, dy; gamma
     groups = min(M, info.sms * _driver.resident_blocks(kern, tpr, smem) // columns)
-    # a group's rows are tagged in 32 bits; float32 sums only (GridRowSums' tagged words)
-    if groups < 1 or cdiv(M, groups) >= 2**32 - 1 or dtype == FLOAT64:
+    if groups < 1 or cdiv(M, groups) > cfg.grid_rows:
         return None
     grid, block = (groups, columns), (tpr, 1)
     launch = {"bwd": Launcher(kern, grid, block, smem, _BWD_ARGS, cooperative=True)}

@@ -556,10 +556,12 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 }
 
 // One row of NPT vectors per thread in shared memory (x and dy: px, pdy; gamma staged once in
-// gstage, read where the kernel's gamma is not null), for the kernels that read a row twice from there:
+// gstage, read where the kernel's gamma is not null), read twice from there by norm_bwd_grid:
 // its two sums (s) with this thread's dgamma/dbeta terms added, then dx = g * rs - (xhat * a +
 // b) as bwd_rows'. 16-bit LayerNorm reads one vector at a time (hoisted together, the loads
 // spilled: 370.6 against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so).
+// norm_bwd_resident keeps the same passes inline: through these helpers ptxas spilled more
+// there (RMS 512x262144 bf16 298.1 against 288.8 us).
 template <bool LN, typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
 __device__ __forceinline__ void smem_row_vec(const SmemRow<P>& px, const SmemRow<P>& pdy,
@@ -641,6 +643,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
   constexpr int CSLOTS = cluster_slots<CL, WARP, 1024>();
+  constexpr bool ONE_AT_A_TIME = LN && sizeof(T) == 2;
   cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
@@ -671,10 +674,56 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
     async_wait<1>();  // this row's copies have landed; the next row's stay in flight
     const SmemRow<P> px{stage + (phase & 1) * 2 * NPT * threads + t, threads};
     const SmemRow<P> pdy{px.base + NPT * threads, threads};
-    C s[2];
-    smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, mu, rs, c0, N, acc_g, acc_b, s);
+    // vector k's x - mean (0 past N, where x is 0), dy and gamma, read from shared memory
+    auto at = [&](int k, P& xk, P& dk, G& gk, C& mk) {
+      xk = px[k];
+      dk = pdy[k];
+      if (gamma) gk = gstage[k * threads + t];
+      mk = c0 + ((cl_i64)k * threads + t) * VEC < N ? mu : C(0);
+    };
+    C s[2] = {C(0), C(0)};
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      P xk, dk;
+      G gk;
+      C mk;
+      // 16-bit LayerNorm: one vector's loads at a time (hoisted together, they spilled: 370.6
+      // against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so)
+      if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
+      at(k, xk, dk, gk, mk);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const C d = (C)elem(dk, j), xh = ((C)elem(xk, j) - mk) * rs;
+        acc_g[k][j] = cl_fma(d, xh, acc_g[k][j]);
+        acc_b[k][j] += d;
+        const C g = gamma ? d * (C)elem(gk, j) : d;
+        s[0] += g;
+        s[1] = cl_fma(g, xh, s[1]);
+      }
+    }
     cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
-    if (dx) smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, mu, rs, inv_n, s, c0, N, dx + row * N);
+    if (dx) {  // dx = g * rs - (xhat * a + b), as bwd_rows'
+      const C a = rs * (s[1] * inv_n);
+      const C b = LN ? rs * (s[0] * inv_n) : C(0);
+      T* dxr = dx + row * N;
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * threads + t) * VEC;
+        if (col >= N) continue;
+        P xk, dk;
+        G gk;
+        C mk, o[VEC];
+        if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
+        at(k, xk, dk, gk, mk);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const C xh = ((C)elem(xk, j) - mk) * rs;
+          const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
+          o[j] = g * rs - (xh * a + b);
+        }
+        store_vec<VEC>(dxr + col, o);
+      }
+    }
   }
   async_wait<0>();  // the copies past the last row (zeros) land before the block exits
   cluster_sync();   // none exits while its last row's sums may be on their way to another

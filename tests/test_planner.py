@@ -133,6 +133,11 @@ class _FakeLauncher(NamedTuple):
 _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
+def _fake_resident_blocks(kern, threads, smem):
+    """The driver's resident blocks of a 64-register kernel (_FakeKernel's) on the mock."""
+    return min(2048 // threads, 65536 // (64 * threads), _SMEM_PER_SM // (smem + 1024))
+
+
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
                       hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
@@ -156,7 +161,8 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
             mock.patch.object(_plan._compile, "kernels", kernels), \
             mock.patch.object(_plan._driver, "max_active_clusters",
                               lambda k, cl, *a: int(cl[0] * cl[1] <= most_blocks)), \
-            mock.patch.object(_plan, "Launcher", lambda k, g, b, *a: _FakeLauncher(k, g, b)):
+            mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
+            mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
         if hdtype is not None:
             return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N,
@@ -579,6 +585,50 @@ def test_backward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most
     assert tpr % warp == 0 and tpr * tiles * npt >= nvec > (tpr - warp) * tiles * npt
     assert plan.smem == npt * tpr * (4 * 16 + vec * plan.spec.wdtype.itemsize)
     assert plan.grid == (1, tiles) and plan.direct and "reduce" not in plan.launch
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 10),
+       st.integers(1 << 15, 1 << 21), WARPS, st.booleans(), st.sampled_from(["sm_90", "sm_80",
+                                                                             "hip"]))
+@example("bfloat16", 64, 1 << 20, 32, True, "sm_90")  # one row of tiles
+@example("bfloat16", 96, 1 << 20, 32, True, "sm_90")  # grid_rows in one row of tiles
+@example("bfloat16", 97, 1 << 20, 32, True, "sm_90")  # past grid_rows: row sums and tiles
+@example("float32", 256, 1 << 18, 32, False, "sm_90")  # several rows of tiles
+@example("bfloat16", 300, 300000, 32, True, "sm_80")  # a partial last tile; no clusters
+@example("bfloat16", 512, 1 << 18, 32, True, "sm_90")  # the resident tiles hold it: not here
+@example("float64", 1, 1 << 20, 32, True, "sm_90")  # float64 sums: not here
+def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target):
+    """Backward rows of more than ``grid_vecs`` 16-byte vectors (CUDA, float32 sums) run on
+    column tiles of ``grid_tpr`` threads x ``grid_npt`` vectors covering the row, in as many
+    rows of tiles (at most M) as the device runs at once, where each takes at most
+    ``grid_rows`` rows: ``grid_buffers`` rows of x and dy and gamma in shared memory; one row
+    of tiles writes dgamma/dbeta itself, more leave partials. Every other plan is the one
+    without them."""
+    hip = target == "hip"
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90",
+                                    hip=hip, is_ln=ln)
+    other, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90", hip=hip,
+                                 is_ln=ln, config=Config(bwd=BwdConfig(grid_vecs=0)))
+    dtype = _dtype(dt)
+    vec = _layout.vec_width(dtype, N, (N,), [])
+    nvec, span = N // vec, BWD.grid_tpr * BWD.grid_npt
+    columns = -(-nvec // span)
+    smem = (BWD.grid_buffers * 32 + vec * dtype.itemsize) * span
+    groups = min(M, 132 * _fake_resident_blocks(None, BWD.grid_tpr, smem) // columns)
+    expect = (not hip and vec * dtype.itemsize == 16 and dt != "float64"
+              and nvec > BWD.grid_vecs and groups >= 1 and -(-M // groups) <= BWD.grid_rows)
+    assert (plan.variant == "bwd_grid") == expect
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip,
+                                                         clusters=target == "sm_90")
+    if not expect:
+        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
+            other.variant, other.grid, other.block, other.smem)
+        return
+    assert plan.spec.grid == (BWD.grid_buffers, BWD.grid_lag) and plan.spec.npt == BWD.grid_npt
+    assert plan.grid == (groups, columns) and plan.block == (BWD.grid_tpr, 1)
+    assert columns * span >= nvec > (columns - 1) * span
+    assert plan.smem == smem
+    assert plan.direct == (groups == 1) and ("reduce" in plan.launch) == (groups > 1)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
