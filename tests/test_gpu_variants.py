@@ -284,7 +284,8 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
     for on in (True, False):
-        plans.replan(bwd_cluster=on, bwd_resident_npt=0)  # (rows in shared memory: their test)
+        # (rows in shared memory and over a cooperative grid: their own tests)
+        plans.replan(bwd_cluster=on, bwd_resident_npt=0, bwd_grid_vecs=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, deterministic=True, config=plans.config)
         plan = plans[0]
@@ -406,6 +407,37 @@ def test_backward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,has_b,det", [
+    (64, 1 << 20, BF16, BF16, True, True), (3, 300008, F16, F32, False, False),
+    (200, 270000, F32, F32, True, True), (1, 1 << 20, BF16, F32, True, False)])
+def test_backward_rows_split_over_a_cooperative_grid(plans, op, M, N, dt, wdt, has_b, det):
+    """Backward rows past the resident tiles, split over a cooperative grid of column tiles
+    whose row sums meet in global memory (one row of tiles or several, a partial last tile,
+    strided rows, float32 parameters of 16-bit rows), match the reference, dgamma/dbeta bitwise
+    the same on a second call when deterministic; on CUDA the plan takes it for every such row here, and
+    for none when off."""
+    from cupyln import _plan
+
+    case = inputs(M, N, dt, wdt, has_b=has_b)
+    plans.spy("bwd")
+    info = _plan.device_info(cp.cuda.Device().id)
+    for vecs in (32768, 0):
+        plans.replan(bwd_grid_vecs=vecs)
+        first = check_case(op, *case, deterministic=det, config=plans.config)
+        again = check_case(op, *case, deterministic=det, config=plans.config)
+        if det:
+            for a, b in zip(first, again, strict=True):
+                assert a is None or bool(cp.all(a == b))
+        check_case(op, *case, layout=LAYOUTS["every other row"], deterministic=det,
+                   config=plans.config)
+        grid = [p for p in plans if p.variant == "bwd_grid"]
+        assert len(grid) == (len(plans) if vecs and info.async_copy else 0), \
+            [p.variant for p in plans]
+        for p in grid:
+            assert p.grid[0] * 96 >= M and ("reduce" in p.launch) == (p.grid[0] > 1)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (1, 1 << 20, BF16, BF16, True), (3, 262152, F16, F32, False), (2, 70001, F32, F32, True),
     (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (2, 140000, F64, F64, True),
@@ -445,7 +477,8 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
     for rows in (0.5, 0):
-        plans.replan(bwd_parts_rows=rows, bwd_cluster_tiles_long=0)  # 140000 f16: no cluster
+        # 140000 f16: no cluster; 1 << 20: no cooperative grid
+        plans.replan(bwd_parts_rows=rows, bwd_cluster_tiles_long=0, bwd_grid_vecs=0)
         for det in (True, False):
             check_case(op, *case, deterministic=det, config=plans.config)
         long = [p for p in plans if "rowsums" in p.launch]
@@ -465,7 +498,7 @@ def test_long_rows_partials_summed_four_columns_per_thread(plans, op, M, N, dt, 
     plans.spy("bwd")
     got = {}
     for least in (0, 1 << 62):
-        plans.replan(bwd_reduce_cols_n=least)
+        plans.replan(bwd_reduce_cols_n=least, bwd_grid_vecs=0)  # partials at 2 x 1 << 20
         got[least] = check_case(op, *case, deterministic=True, config=plans.config)
         check_case(op, *case, need=(False, op == "rms", op == "ln"), config=plans.config)
         # four columns per thread: blocks of one row of threads (else eight row groups)
