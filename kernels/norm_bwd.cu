@@ -561,7 +561,8 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 // b) as bwd_rows'. 16-bit LayerNorm reads one vector at a time (hoisted together, the loads
 // spilled: 370.6 against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so).
 // norm_bwd_resident keeps the same passes inline: through these helpers ptxas spilled more
-// there (RMS 512x262144 bf16 298.1 against 288.8 us).
+// there (16-bit: 16-24 bytes against 8-16; an earlier form of them ran RMS 512x262144 bf16 at
+// 298.1 against 288.8 us).
 template <bool LN, typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
 __device__ __forceinline__ void smem_row_vec(const SmemRow<P>& px, const SmemRow<P>& pdy,
