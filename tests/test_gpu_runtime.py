@@ -43,8 +43,8 @@ def test_non_blocking_stream():
     ("default", 6000, 1024), ("atomic", 6000, 1024),
     # few long rows: the forward's parts in scratch, the backward's row sums and column tiles
     ("default", 3, 70000),
-    # rows over a cooperative grid (its row sums' area after the counters; one row of tiles,
-    # then four with partials), while the direct calls' grids run on the other stream
+    # rows over a cooperative grid (its row sums' area in the zeroed scratch; one row of
+    # tiles, then several with partials), while the direct calls' grids run on the other stream
     ("default", 3, 300008), ("deterministic", 100, 280000)])
 def test_cuda_graph_capture_and_replay(flush, M, N, given):
     """Forward + backward captured on a stream, inputs refilled, graph replayed (twice, on

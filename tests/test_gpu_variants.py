@@ -414,8 +414,8 @@ def test_backward_rows_split_over_a_cooperative_grid(plans, op, M, N, dt, wdt, h
     """Backward rows past the resident tiles, split over a cooperative grid of column tiles
     whose row sums meet in global memory (one row of tiles or several, a partial last tile,
     strided rows, float32 parameters of 16-bit rows), match the reference, dgamma/dbeta bitwise
-    the same on a second call when deterministic; on CUDA the plan takes it for every such row here, and
-    for none when off."""
+    the same on a second call when deterministic; on CUDA the plan takes it for every such row
+    here, and for none when off."""
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
