@@ -83,24 +83,23 @@ class Spec(NamedTuple):
         a = self._args()
         acc = CTYPES[ACC_DTYPES[self.dtype]]
         w = CTYPES[self.wdtype]
-        if self.grid:  # long rows split over a cooperative grid (pass 'bwd_long')
-            return {"bwd_grid": f"norm_bwd_grid<{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, "
-                                f"{self.npt}, {self.warp}, {self.grid[0]}, {self.grid[1]}>",
-                    "reduce": f"norm_bwd_reduce<{acc}, {w}>",
-                    "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
-        if self.resident:  # long rows in a cluster's shared memory (pass 'bwd_long')
-            return {"bwd_resident": f"norm_bwd_resident<{CTYPES[self.dtype]}, {w}, "
-                                    f"{_op(self.is_ln)}, {self.npt}, {self.warp}, {self.tiles}>",
-                    "reduce": f"norm_bwd_reduce<{acc}, {w}>",
-                    "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
+        # the partials' sums; long rows in a cluster's shared memory, or split over a
+        # cooperative grid (pass 'bwd_long'): their kernel and those
+        sums = {"reduce": f"norm_bwd_reduce<{acc}, {w}>",
+                "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
+        # the leading template arguments of the kernels whose vector width follows the type
+        head = f"{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, {self.npt}, {self.warp}"
+        if self.grid:
+            return {"bwd_grid": f"norm_bwd_grid<{head}, {self.grid[0]}, {self.grid[1]}>", **sums}
+        if self.resident:
+            return {"bwd_resident": f"norm_bwd_resident<{head}, {self.tiles}>", **sums}
         if self.peeled:  # rows peeled as the forward's: one block each, or column tiles
-            peeled = f"norm_bwd_peeled<{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, " \
-                     f"{self.npt}, {self.warp}"
+            peeled = f"norm_bwd_peeled<{head}"
             if pass_ == "bwd":
-                return {"bwd_peeled": f"{peeled}>", "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
+                return {"bwd_peeled": f"{peeled}>", "reduce": sums["reduce"]}
             return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
                     "rowsums": f"norm_bwd_rowsums<{a}, 1, cln::whole_rows, cln::peeled>",
-                    "reduce": f"norm_bwd_reduce<{acc}, {w}>"}
+                    "reduce": sums["reduce"]}
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
             return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
         # the fused add's dresidual: kernels of their own, none with tickets or staged clusters
@@ -108,7 +107,7 @@ class Spec(NamedTuple):
         names = {
             "bwd": f"{rows}<{a}, cln::direct, cln::partials>",
             "bwd_last": f"{rows}<{a}, cln::direct, cln::last_block_sums>",
-            "reduce": f"norm_bwd_reduce<{acc}, {CTYPES[self.wdtype]}>",
+            "reduce": sums["reduce"],
         }
         if self.stages:
             names["bwd_staged"] = f"{rows}<{a}, cln::staged, cln::partials>"
@@ -116,7 +115,7 @@ class Spec(NamedTuple):
                 names["bwd_staged_dyn"] = f"norm_bwd<{a}, cln::staged, cln::partials, " \
                                           "cln::tickets>"
         if pass_ == "bwd_long":  # rows longer than one block: column tiles
-            names["reduce_cols"] = f"norm_bwd_reduce_cols<{acc}, {CTYPES[self.wdtype]}>"
+            names["reduce_cols"] = sums["reduce_cols"]
             names["rowsums"] = f"norm_bwd_rowsums<{a}>"
             # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N:
             # 8x3583 f16 8.7 us against 12.6 for row sums + tiles; the fused add's 8.8
