@@ -43,7 +43,7 @@ class Spec(NamedTuple):
     residual: bool = False  # backward: the fused residual add's dresidual (its kernels alone)
     peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
     resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
-    grid: tuple[int, int] = ()  # rows split over a cooperative grid: (buffers, lag) (alone)
+    grid: tuple[int, ...] = ()  # rows over a cooperative grid: (buffers, lag, rows a step) (alone)
 
     def _args(self):
         t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
@@ -90,7 +90,8 @@ class Spec(NamedTuple):
         # the leading template arguments of the kernels whose vector width follows the type
         head = f"{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, {self.npt}, {self.warp}"
         if self.grid:
-            return {"bwd_grid": f"norm_bwd_grid<{head}, {self.grid[0]}, {self.grid[1]}>", **sums}
+            return {"bwd_grid": f"norm_bwd_grid<{head}, {', '.join(map(str, self.grid))}>",
+                    **sums}
         if self.resident:
             return {"bwd_resident": f"norm_bwd_resident<{head}, {self.tiles}>", **sums}
         if self.peeled:  # rows peeled as the forward's: one block each, or column tiles

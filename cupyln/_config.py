@@ -211,8 +211,17 @@ class BwdConfig:
     grid_npt: int = 2
     grid_buffers: int = 4
     grid_lag: int = 1
+    grid_step_rows: int = 1
 
-    __post_init__ = _check_stage
+    def __post_init__(self):
+        _check_stage(self)
+        steps = self.grid_buffers // max(self.grid_step_rows, 1)
+        if self.grid_step_rows < 1 or self.grid_buffers % self.grid_step_rows or \
+                not 0 <= self.grid_lag < steps:
+            raise ValueError(
+                "grid_buffers must hold whole steps of grid_step_rows rows, more steps than "
+                f"grid_lag: got grid_buffers={self.grid_buffers}, grid_step_rows="
+                f"{self.grid_step_rows}, grid_lag={self.grid_lag}")
 
 
 @dataclass(frozen=True)

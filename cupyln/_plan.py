@@ -162,7 +162,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                                       resident=True).names("bwd_long").values())
                 if v * t.itemsize == 16 and not hip and bc.grid_vecs and t != FLOAT64:
                     names.update(Spec(t, w, ln, v, bc.grid_npt, warp,
-                                      grid=(bc.grid_buffers, bc.grid_lag)).names("bwd_long")
+                                      grid=_grid_args(bc)).names("bwd_long")
                                  .values())  # rows split over a cooperative grid
                 if v * t.itemsize == 16:  # narrower rows peeled
                     for n in PEEL_NPTS:
@@ -748,8 +748,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
     if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
             and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp,
-                grid=(cfg.grid_buffers, cfg.grid_lag))
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, grid=_grid_args(cfg))
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     kern, tpr = kerns["bwd_grid"], cfg.grid_tpr
     columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row
@@ -764,11 +763,17 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
     return Plan(spec, "bwd_grid", kern, grid, block, smem, launch, direct=groups == 1)
 
 
+def _grid_args(cfg):
+    """The cooperative grid kernel's (buffers, lag, rows a step) template arguments."""
+    return cfg.grid_buffers, cfg.grid_lag, cfg.grid_step_rows
+
+
 def grid_sums_bytes(plan):
     """The zeroed area of a cooperative grid's row sums (GridRowSums): a count of blocks done
-    (16 bytes), then 2 * lag + 2 rows' two tagged 8-byte sums per group and tile."""
+    (16 bytes), then 2 * lag + 2 steps' tagged 8-byte sums (two a row) per group and tile."""
     groups, columns = plan.grid[:2]
-    return 16 + groups * (2 * plan.spec.grid[1] + 2) * columns * 2 * 8
+    _, lag, rows = plan.spec.grid
+    return 16 + groups * (2 * lag + 2) * columns * 2 * rows * 8
 
 
 def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):

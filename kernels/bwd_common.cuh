@@ -146,13 +146,13 @@ template <typename C> __device__ __forceinline__ C load_l2(const C* p) {
 
 // Row sums of rows split over the gridDim.y column tiles of a cooperative grid (every block
 // resident at once; the host launches it so), through global memory: each block publishes its
-// tile's float32 sums of a row, each in one 64-bit word with the row's tag (i + 1; rows are
-// numbered per group, group = blockIdx.x, whose blocks take the same rows in the same order), so
-// a reader that sees the tag sees the value: no fence, no counter. Collecting them waits for
-// every tile's tags, then adds the tiles in one fixed order (every block gets the same bits).
-// `area` is zeroed memory, left zeroed by the last block to leave (stale tags would match a
-// later launch's): a count of blocks done (16 bytes), then the slots [gridDim.x][SL][gridDim.y]
-// [K]. A block that collects row i at most LAG rows after publishing it writes row i + SL only
+// tile's K float32 sums of a row (or of a step of rows), each in one 64-bit word with the tag
+// i + 1 (numbered per group, group = blockIdx.x, whose blocks take the same rows in the same
+// order), so a reader that sees the tag sees the value: no fence, no counter. Collecting them
+// waits for every tile's tags, then adds the tiles in one fixed order (every block gets the
+// same bits). `area` is zeroed memory, left zeroed by the last block to leave (stale tags would
+// match a later launch's): a count of blocks done (16 bytes), then the slots [gridDim.x][SL]
+// [gridDim.y][K]. A block that collects row i at most LAG rows after publishing it writes row i + SL only
 // after every tile has collected row i where SL >= 2 * LAG + 2.
 template <int K, int WARP, int SL> struct GridRowSums {
   unsigned int* done;

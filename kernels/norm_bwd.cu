@@ -740,21 +740,23 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
 // sums through global memory (GridRowSums): x and dy read once where no cluster holds the row.
 // The host launches it cooperatively (every block resident at once) and gives the sums' zeroed
 // area as `tickets`. Each block keeps NB rows of x and dy in shared memory (cp.async, gamma
-// staged once), reads each twice from there as norm_bwd_resident, and collects a row's sums
-// LAG rows after publishing them, so that the wait for the slowest tile overlaps LAG rows' work
-// and NB - LAG rows stay in flight. The flush is bwd_rows' (partials, atomics, or one row of
-// blocks).
-template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG>
+// staged once) and reads each twice from there as norm_bwd_resident. Rows go R at a time (a
+// step): one block reduction and one exchange for R rows' sums, since a row's exchange, not its
+// bytes, bounds a step. A step's sums are collected LAG steps after they are published, so that
+// the wait for the slowest tile overlaps LAG steps' work and NB / R - LAG steps stay in flight.
+// The flush is bwd_rows' (partials, atomics, or one row of blocks).
+template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG, int R>
 __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 #if CLN_ASYNC_COPY
-  static_assert(LAG >= 0 && NB > LAG, "a row in flight at least");
+  constexpr int NS = NB / R;  // steps of rows held
+  static_assert(R >= 1 && NB % R == 0 && LAG >= 0 && NS > LAG, "a step in flight at least");
   typedef float C;  // GridRowSums' tagged words hold float32 sums
   static_assert(sizeof(typename Acc<T>::type) == sizeof(C), "float32 accumulation");
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
   if (tickets == nullptr || blockDim.y != 1) cl_trap();
-  const GridRowSums<2, WARP, 2 * LAG + 2> sums(tickets);
+  const GridRowSums<2 * R, WARP, 2 * LAG + 2> sums(tickets);
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
   P* stage = reinterpret_cast<P*>(cl_smem);
@@ -767,45 +769,61 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
   for (int k = 0; k < NPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
-  if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
+  if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in step 0's group
   const cl_i64 first = blockIdx.x, step = gridDim.x;
   const cl_i64 n = first < M ? (M - 1 - first) / step + 1 : 0;  // this group's rows
-  auto prefetch = [&](cl_i64 i) {  // the group's row i into buffer i % NB (zeros past n)
-    const bool ok = i < n;
-    const cl_i64 r = ok ? first + i * step : 0;
-    P* d = stage + (i % NB) * 2 * NPT * threads;
-    stage_packs<VEC, NPT>(d, x + r * ldx, c0, N, ok);
-    stage_packs<VEC, NPT>(d + NPT * threads, dy + r * lddy, c0, N, ok);
+  const cl_i64 steps = (n + R - 1) / R;
+  auto prefetch = [&](cl_i64 i) {  // step i's rows q into buffers q % NB (zeros past n)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const cl_i64 q = i * R + r;
+      const bool ok = q < n;
+      const cl_i64 row = ok ? first + q * step : 0;
+      P* d = stage + (q % NB) * 2 * NPT * threads;
+      stage_packs<VEC, NPT>(d, x + row * ldx, c0, N, ok);
+      stage_packs<VEC, NPT>(d + NPT * threads, dy + row * lddy, c0, N, ok);
+    }
     async_commit();
   };
-  auto rows_of = [&](cl_i64 i, SmemRow<P>& px, SmemRow<P>& pdy) {
-    px = SmemRow<P>{stage + (i % NB) * 2 * NPT * threads + t, threads};
+  auto rows_of = [&](cl_i64 q, SmemRow<P>& px, SmemRow<P>& pdy) {
+    px = SmemRow<P>{stage + (q % NB) * 2 * NPT * threads + t, threads};
     pdy = SmemRow<P>{px.base + NPT * threads, threads};
   };
-  for (int i = 0; i < NB - LAG; ++i) prefetch(i);
+  for (int i = 0; i < NS - LAG; ++i) prefetch(i);
   int phase = 0;  // row_allreduce's calls: consecutive ones use its two buffers in turn
-  for (cl_i64 i = 0; i < n + LAG; ++i) {
-    async_wait<NB - LAG - 1>();  // row i's copies have landed; the later ones stay in flight
+  for (cl_i64 i = 0; i < steps + LAG; ++i) {
+    async_wait<NS - LAG - 1>();  // step i's copies have landed; the later ones stay in flight
     SmemRow<P> px, pdy;
-    if (i < n) {  // row i: its sums published, dgamma/dbeta's terms added
-      const cl_i64 row = first + i * step;
-      C s[2];
-      rows_of(i, px, pdy);
-      smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0), (C)rstd[row],
-                             c0, N, acc_g, acc_b, s);
+    if (i < steps) {  // step i: its rows' sums published, dgamma/dbeta's terms added
+      C s[2 * R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const cl_i64 q = i * R + r, row = first + q * step;
+        C sr[2] = {C(0), C(0)};
+        rows_of(q, px, pdy);
+        if (q < n)
+          smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0),
+                                 (C)rstd[row], c0, N, acc_g, acc_b, sr);
+        s[2 * r] = sr[0];
+        s[2 * r + 1] = sr[1];
+      }
       row_allreduce<WARP>(s, phase++);
       sums.publish(s, i);
     }
-    if (i >= LAG) {  // row i - LAG: every tile's sums, then dx
-      const cl_i64 j = i - LAG, row = first + j * step;
-      C s[2];
-      sums.collect(s, j, phase++);
-      rows_of(j, px, pdy);
-      if (dx)
-        smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0), (C)rstd[row],
-                             inv_n, s, c0, N, dx + row * N);
+    if (i >= LAG) {  // step i - LAG: every tile's sums, then dx
+      C s[2 * R];
+      sums.collect(s, i - LAG, phase++);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const cl_i64 q = (i - LAG) * R + r, row = first + q * step;
+        const C sr[2] = {s[2 * r], s[2 * r + 1]};
+        rows_of(q, px, pdy);
+        if (dx && q < n)
+          smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0),
+                               (C)rstd[row], inv_n, sr, c0, N, dx + row * N);
+      }
     }
-    prefetch(i + NB - LAG);  // into row i - LAG's buffer, read above by this thread alone
+    prefetch(i + NS - LAG);  // into step i - LAG's buffers, read above by this thread alone
   }
   async_wait<0>();  // the copies past the last row (zeros) land before the block exits
   sums.leave();

@@ -624,7 +624,7 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
         assert (plan.variant, plan.grid, plan.block, plan.smem) == (
             other.variant, other.grid, other.block, other.smem)
         return
-    assert plan.spec.grid == (BWD.grid_buffers, BWD.grid_lag) and plan.spec.npt == BWD.grid_npt
+    assert plan.spec.grid == (BWD.grid_buffers, BWD.grid_lag, BWD.grid_step_rows) and plan.spec.npt == BWD.grid_npt
     assert plan.grid == (groups, columns) and plan.block == (BWD.grid_tpr, 1)
     assert columns * span >= nvec > (columns - 1) * span
     assert plan.smem == smem
