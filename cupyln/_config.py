@@ -202,16 +202,20 @@ class BwdConfig:
     # global memory, where each row of tiles takes at most `grid_rows` rows: x and dy read once,
     # not twice as by row sums and tiles (LN 64x1048576 bf16 193.8 against 213.9 us, RMS 188.5 /
     # 200.5, 8x1048576 31.9 / 48.6, 1x1048576 18.2 / 25.2, LN 256x262144 f32 297.6 / 371.8 in
-    # 3 rows of tiles); more rows lost (128x1048576 377.7 / 364.6). Each block holds
-    # `grid_buffers` rows of x and dy in shared memory and waits for a row's sums `grid_lag` rows
-    # after giving its own (none: 322.0 us at 64x1048576; 6 and 2: 200.8). 0: off.
+    # 3 rows of tiles). Each block holds `grid_buffers` rows of x and dy in shared memory and
+    # sends `grid_step_rows` rows' sums through one exchange, since a row's exchange, not its
+    # bytes, bounds it (2 rows: 64x1048576 188.9 against 197.7 us, 256x262144 f32 285.4 / 306.2;
+    # 3 rows or 6 buffers: 212.0, 199.7); so up to 128 rows a row of tiles, where one row at a
+    # time lost to row sums and tiles (256x524288 341.6 against 372.3, 128x1048576 363.9 /
+    # 364.1), and waits for a step's sums `grid_lag` steps after
+    # giving its own (none: 322.0 us at 64x1048576; 6 and 2: 200.8). 0: off.
     grid_vecs: int = 32768
-    grid_rows: int = 96
+    grid_rows: int = 128
     grid_tpr: int = 256
     grid_npt: int = 2
     grid_buffers: int = 4
     grid_lag: int = 1
-    grid_step_rows: int = 1
+    grid_step_rows: int = 2
 
     def __post_init__(self):
         _check_stage(self)

@@ -158,7 +158,7 @@ class HotBwd(_Prepared):
         self.dynamic = dynamic
         self.main = plan.launch["bwd_dyn" if dynamic else "bwd"]
         # a cooperative grid's row sums: in the zeroed area, after the atomic sums
-        grid = plan.variant.startswith("bwd_grid")
+        grid = bool(plan.spec.grid)
         self.counted = self.flushed or dynamic or grid
         self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
         self.grid_sums = self.acc_bytes if grid else 0

@@ -731,12 +731,18 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
     fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
     if not fit or M < cfg.resident_rows * fit:
         return None
-    grid, block = (min(M, fit), tiles), (tpr, 1)
-    launch = {"bwd": Launcher(kerns["bwd_resident"], grid, block, smem, _BWD_ARGS)}
+    return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_resident", (min(M, fit), tiles), tpr,
+                                   smem, N)
+
+
+def _plan_bwd_rows_of_tiles(cfg, spec, kerns, variant, grid, tpr, smem, N, cooperative=False):
+    """The plan of ``kerns[variant]`` on ``grid`` (rows of tiles, tiles a row): one row of tiles
+    writes dgamma/dbeta itself, more leave partials for the reduction."""
+    kern = kerns[variant]
+    launch = {"bwd": Launcher(kern, grid, (tpr, 1), smem, _BWD_ARGS, cooperative=cooperative)}
     if grid[0] > 1:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    return Plan(spec, "bwd_resident", kerns["bwd_resident"], grid, block, smem, launch,
-                direct=grid[0] == 1)
+    return Plan(spec, variant, kern, grid, (tpr, 1), smem, launch, direct=grid[0] == 1)
 
 
 def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
@@ -748,19 +754,24 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
     if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
             and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, grid=_grid_args(cfg))
-    kerns = _compile.kernels(spec, "bwd_long", config.source)
-    kern, tpr = kerns["bwd_grid"], cfg.grid_tpr
+    tpr = cfg.grid_tpr
     columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row
     smem = (cfg.grid_buffers * 2 * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr  # x, dy; gamma
-    groups = min(M, info.sms * _driver.resident_blocks(kern, tpr, smem) // columns)
-    if groups < 1 or cdiv(M, groups) > cfg.grid_rows:
+
+    def rows_of_tiles(per_sm):  # those that run at once; 0 where each takes over grid_rows rows
+        groups = min(M, info.sms * per_sm // columns)
+        return groups if groups >= 1 and cdiv(M, groups) <= cfg.grid_rows else 0
+
+    # not compiled where even the bound of threads and shared memory per SM leaves none
+    if not rows_of_tiles(min(info.threads_per_sm // tpr, info.smem_per_sm // (smem + 1024))):
         return None
-    grid, block = (groups, columns), (tpr, 1)
-    launch = {"bwd": Launcher(kern, grid, block, smem, _BWD_ARGS, cooperative=True)}
-    if groups > 1:
-        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    return Plan(spec, "bwd_grid", kern, grid, block, smem, launch, direct=groups == 1)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, grid=_grid_args(cfg))
+    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    groups = rows_of_tiles(_driver.resident_blocks(kerns["bwd_grid"], tpr, smem))
+    if not groups:
+        return None
+    return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_grid", (groups, columns), tpr, smem, N,
+                                   cooperative=True)
 
 
 def _grid_args(cfg):
