@@ -434,7 +434,28 @@ def test_backward_rows_split_over_a_cooperative_grid(plans, op, M, N, dt, wdt, h
         assert len(grid) == (len(plans) if vecs and info.async_copy else 0), \
             [p.variant for p in plans]
         for p in grid:
-            assert p.grid[0] * 96 >= M and ("reduce" in p.launch) == (p.grid[0] > 1)
+            assert p.grid[0] * plans.config.bwd.grid_rows >= M
+            assert ("reduce" in p.launch) == (p.grid[0] > 1)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("buffers,step", [(4, 1), (6, 3)])
+def test_cooperative_grid_rows_per_exchange(plans, op, buffers, step):
+    """The cooperative grid with another number of rows per exchange (one; three, the last step
+    of 7 rows partly empty) matches the reference, bitwise repeatable when deterministic."""
+    from cupyln import _plan
+
+    if not _plan.device_info(cp.cuda.Device().id).async_copy:
+        pytest.skip("the cooperative grid backward needs cp.async (CUDA sm_80 on)")
+    case = inputs(7, 300008, F16, F32, has_b=True)
+    plans.spy("bwd")
+    plans.replan(bwd_grid_buffers=buffers, bwd_grid_step_rows=step)
+    first = check_case(op, *case, deterministic=True, config=plans.config)
+    again = check_case(op, *case, deterministic=True, config=plans.config)
+    assert all(a is None or bool(cp.all(a == b)) for a, b in zip(first, again, strict=True))
+    check_case(op, *case, config=plans.config)
+    assert [p.spec.grid for p in plans] and all(
+        p.spec.grid == (buffers, 1, step) for p in plans), [p.variant for p in plans]
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
