@@ -205,9 +205,11 @@ class BwdConfig:
     # 3 rows of tiles). Each block holds `grid_buffers` rows of x and dy in shared memory and
     # sends `grid_step_rows` rows' sums through one exchange, since a row's exchange, not its
     # bytes, bounds it (2 rows: 64x1048576 188.9 against 197.7 us, 256x262144 f32 285.4 / 306.2;
-    # 3 rows or 6 buffers: 212.0, 199.7); so up to 128 rows a row of tiles, where one row at a
-    # time lost to row sums and tiles (256x524288 341.6 against 372.3, 128x1048576 363.9 /
-    # 364.1), and waits for a step's sums `grid_lag` steps after
+    # 3 rows or 6 buffers: 212.0, 199.7), where a row of tiles takes `grid_step_min_rows` rows
+    # or more (a step waits for all its rows: 1x1048576 16.9 against 13.1 us, 2x1048576 19.2 /
+    # 15.2, 8x1048576 35.6 / 36.2); so up to 128 rows a row of tiles, where one row at a time
+    # lost to row sums and tiles (256x524288 341.6 against 372.3, 128x1048576 363.9 / 364.1),
+    # and waits for a step's sums `grid_lag` steps after
     # giving its own (none: 322.0 us at 64x1048576; 6 and 2: 200.8). 0: off.
     grid_vecs: int = 32768
     grid_rows: int = 128
@@ -216,6 +218,7 @@ class BwdConfig:
     grid_buffers: int = 4
     grid_lag: int = 1
     grid_step_rows: int = 2
+    grid_step_min_rows: int = 8
 
     def __post_init__(self):
         _check_stage(self)

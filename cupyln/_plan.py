@@ -161,9 +161,9 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                     names.update(Spec(t, w, ln, v, bc.resident_npt, warp, bc.cluster_tiles_long,
                                       resident=True).names("bwd_long").values())
                 if v * t.itemsize == 16 and not hip and bc.grid_vecs and t != FLOAT64:
-                    names.update(Spec(t, w, ln, v, bc.grid_npt, warp,
-                                      grid=_grid_args(bc)).names("bwd_long")
-                                 .values())  # rows split over a cooperative grid
+                    for step in {1, bc.grid_step_rows}:  # rows split over a cooperative grid
+                        names.update(Spec(t, w, ln, v, bc.grid_npt, warp,
+                                          grid=_grid_args(bc, step)).names("bwd_long").values())
                 if v * t.itemsize == 16:  # narrower rows peeled
                     for n in PEEL_NPTS:
                         names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
@@ -763,9 +763,12 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
         return groups if groups >= 1 and cdiv(M, groups) <= cfg.grid_rows else 0
 
     # not compiled where even the bound of threads and shared memory per SM leaves none
-    if not rows_of_tiles(min(info.threads_per_sm // tpr, info.smem_per_sm // (smem + 1024))):
+    most = rows_of_tiles(min(info.threads_per_sm // tpr, info.smem_per_sm // (smem + 1024)))
+    if not most:
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, grid=_grid_args(cfg))
+    # fewer rows a row of tiles than grid_step_min_rows go one at a time
+    step = cfg.grid_step_rows if cdiv(M, most) >= cfg.grid_step_min_rows else 1
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, grid=_grid_args(cfg, step))
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     groups = rows_of_tiles(_driver.resident_blocks(kerns["bwd_grid"], tpr, smem))
     if not groups:
@@ -774,9 +777,9 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
                                    cooperative=True)
 
 
-def _grid_args(cfg):
+def _grid_args(cfg, step):
     """The cooperative grid kernel's (buffers, lag, rows a step) template arguments."""
-    return cfg.grid_buffers, cfg.grid_lag, cfg.grid_step_rows
+    return cfg.grid_buffers, cfg.grid_lag, step
 
 
 def grid_sums_bytes(plan):

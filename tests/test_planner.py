@@ -591,7 +591,8 @@ def test_backward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most
        st.integers(1 << 15, 1 << 21), WARPS, st.booleans(), st.sampled_from(["sm_90", "sm_80",
                                                                              "hip"]))
 @example("bfloat16", 64, 1 << 20, 32, True, "sm_90")  # one row of tiles
-@example("bfloat16", 96, 1 << 20, 32, True, "sm_90")  # grid_rows in one row of tiles
+@example("bfloat16", 128, 1 << 20, 32, True, "sm_90")  # grid_rows in one row of tiles
+@example("bfloat16", 2, 1 << 20, 32, True, "sm_90")  # few rows: one a step
 @example("bfloat16", 129, 1 << 20, 32, True, "sm_90")  # past grid_rows: row sums and tiles
 @example("float32", 256, 1 << 18, 32, False, "sm_90")  # several rows of tiles
 @example("bfloat16", 300, 300000, 32, True, "sm_80")  # a partial last tile; no clusters
@@ -601,8 +602,9 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
     """Backward rows of more than ``grid_vecs`` 16-byte vectors (CUDA, float32 sums) run on
     column tiles of ``grid_tpr`` threads x ``grid_npt`` vectors covering the row, in as many
     rows of tiles (at most M) as the device runs at once, where each takes at most
-    ``grid_rows`` rows: ``grid_buffers`` rows of x and dy and gamma in shared memory; one row
-    of tiles writes dgamma/dbeta itself, more leave partials. Every other plan is the one
+    ``grid_rows`` rows: ``grid_buffers`` rows of x and dy and gamma in shared memory, rows
+    ``grid_step_rows`` at a time where each row of tiles takes ``grid_step_min_rows`` or more,
+    else one at a time; one row of tiles writes dgamma/dbeta itself, more leave partials. Every other plan is the one
     without them, and compiles no grid kernel (on the mock, whose registers leave shared memory
     the bound, the planner knows that before compiling)."""
     hip = target == "hip"
@@ -626,7 +628,8 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
             other.variant, other.grid, other.block, other.smem)
         assert not any(name.startswith("norm_bwd_grid") for name in built.values())
         return
-    assert plan.spec.grid == (BWD.grid_buffers, BWD.grid_lag, BWD.grid_step_rows)
+    step = BWD.grid_step_rows if -(-M // groups) >= BWD.grid_step_min_rows else 1
+    assert plan.spec.grid == (BWD.grid_buffers, BWD.grid_lag, step)
     assert plan.spec.npt == BWD.grid_npt
     assert plan.grid == (groups, columns) and plan.block == (BWD.grid_tpr, 1)
     assert columns * span >= nvec > (columns - 1) * span
