@@ -209,8 +209,8 @@ class BwdConfig:
     # or more (a step waits for all its rows: 1x1048576 16.9 against 13.1 us, 2x1048576 19.2 /
     # 15.2, 8x1048576 35.6 / 36.2); so up to 128 rows a row of tiles, where one row at a time
     # lost to row sums and tiles (256x524288 341.6 against 372.3, 128x1048576 363.9 / 364.1),
-    # and waits for a step's sums `grid_lag` steps after
-    # giving its own (none: 322.0 us at 64x1048576; 6 and 2: 200.8). 0: off.
+    # and waits for a step's sums `grid_lag` steps after giving its own (none: 322.0 us at
+    # 64x1048576; 6 and 2: 200.8). 0: off.
     grid_vecs: int = 32768
     grid_rows: int = 128
     grid_tpr: int = 256

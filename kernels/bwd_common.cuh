@@ -152,8 +152,8 @@ template <typename C> __device__ __forceinline__ C load_l2(const C* p) {
 // waits for every tile's tags, then adds the tiles in one fixed order (every block gets the
 // same bits). `area` is zeroed memory, left zeroed by the last block to leave (stale tags would
 // match a later launch's): a count of blocks done (16 bytes), then the slots [gridDim.x][SL]
-// [gridDim.y][K]. A block that collects row i at most LAG rows after publishing it writes row i + SL only
-// after every tile has collected row i where SL >= 2 * LAG + 2.
+// [gridDim.y][K]. A block that collects row i at most LAG rows after publishing it writes row
+// i + SL only after every tile has collected row i where SL >= 2 * LAG + 2.
 template <int K, int WARP, int SL> struct GridRowSums {
   unsigned int* done;
   unsigned long long* slots;

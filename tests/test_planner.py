@@ -604,9 +604,9 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
     rows of tiles (at most M) as the device runs at once, where each takes at most
     ``grid_rows`` rows: ``grid_buffers`` rows of x and dy and gamma in shared memory, rows
     ``grid_step_rows`` at a time where each row of tiles takes ``grid_step_min_rows`` or more,
-    else one at a time; one row of tiles writes dgamma/dbeta itself, more leave partials. Every other plan is the one
-    without them, and compiles no grid kernel (on the mock, whose registers leave shared memory
-    the bound, the planner knows that before compiling)."""
+    else one at a time; one row of tiles writes dgamma/dbeta itself, more leave partials. Every
+    other plan is the one without them, and compiles no grid kernel (on the mock, whose
+    registers leave shared memory the bound, the planner knows that before compiling)."""
     hip = target == "hip"
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90",
                                     hip=hip, is_ln=ln)
