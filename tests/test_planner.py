@@ -833,6 +833,18 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
     assert plan.spec.vec in (16 // plan.spec.dtype.itemsize, 1)
 
 
+@pytest.mark.parametrize("fields", [
+    {"grid_buffers": 5, "grid_step_rows": 2}, {"grid_step_rows": 0}, {"grid_lag": 4},
+    {"grid_buffers": 4, "grid_step_rows": 2, "grid_lag": 2}, {"grid_lag": -1}])
+def test_grid_buffers_hold_whole_steps_and_more_than_the_lag(fields):
+    """A BwdConfig whose grid buffers do not hold whole steps, or no step past the lag, is
+    refused when made, naming the three fields (the kernel would not compile, or wait on
+    itself)."""
+    with pytest.raises(ValueError, match="grid_buffers.*grid_step_rows.*grid_lag"):
+        BwdConfig(**fields)
+    assert BwdConfig(grid_buffers=6, grid_step_rows=3, grid_lag=1).grid_step_rows == 3
+
+
 def test_plan_caches_are_bounded():
     assert _plan.plan_fwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
     assert _plan.plan_bwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
