@@ -224,7 +224,8 @@ def device_info(dev_id):
 
 
 def blocks_per_sm(kern, threads, smem, info):
-    """Resident blocks of ``kern`` per multiprocessor, from its register and memory use."""
+    """Resident blocks of ``kern`` per multiprocessor, from its register and memory use (kern
+    None: the bound of threads and dynamic shared memory alone, before compiling)."""
     regs = max(int(getattr(kern, "num_regs", 0) or 0), 1)
     by_threads = info.threads_per_sm // threads
     by_regs = info.regs_per_sm // (round_up(regs, 8) * threads)
@@ -763,7 +764,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
         return groups if groups >= 1 and cdiv(M, groups) <= cfg.grid_rows else 0
 
     # not compiled where even the bound of threads and shared memory per SM leaves none
-    most = rows_of_tiles(min(info.threads_per_sm // tpr, info.smem_per_sm // (smem + 1024)))
+    most = rows_of_tiles(blocks_per_sm(None, tpr, smem, info))
     if not most:
         return None
     # fewer rows a row of tiles than grid_step_min_rows go one at a time
