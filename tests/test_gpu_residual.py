@@ -138,7 +138,8 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
 
 
 # The backward's variants, each reached by its config: rows in a block with partials or atomics,
-# staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows.
+# staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows,
+# long rows held in shared memory or over a cooperative grid.
 BWD_VARIANTS = {
     "direct": ({"bwd_stage": "never", "bwd_cluster_sums": False}, 4096, 1024),
     "staged": ({"bwd_stage": "always", "bwd_cluster_sums": False}, 4096, 1024),
@@ -150,6 +151,10 @@ BWD_VARIANTS = {
     "cluster tiles, single elements": ({}, 8, 3583),
     "staged cluster tiles": ({"bwd_stage": "always"}, 300, 40000),
     "one cluster of all rows": ({}, 16, 512),
+    # bfloat16 rows held in 16 tiles' shared memory (float32: over a cooperative grid)
+    "rows held in 16 tiles": ({}, 20, 140000),
+    "cooperative grid, two rows a step": ({}, 20, 300008),
+    "cooperative grid, one row a step": ({}, 3, 300008),
 }
 
 
