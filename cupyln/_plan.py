@@ -756,7 +756,8 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA, cp.async, float32 sums) on column
     tiles of ``grid_tpr`` threads x ``grid_npt`` vectors, in as many rows of tiles (at most M)
     as run at once, each taking at most ``grid_rows`` rows, the grid launched cooperatively
-    (``residual``: the fused add's dresidual staged with x and dy); None elsewhere."""
+    (``residual``: the fused add's dresidual staged with x and dy, where each block collects at
+    most ``grid_add_sums`` tiles' row sums); None elsewhere."""
     cfg = config.bwd
     if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
             and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
@@ -767,8 +768,10 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     smem = (cfg.grid_buffers * rows_in * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr
 
     def rows_of_tiles(per_sm):  # those that run at once; 0 where each takes over grid_rows rows
-        groups = min(M, info.sms * per_sm // columns)
-        return groups if groups >= 1 and cdiv(M, groups) <= cfg.grid_rows else 0
+        groups = min(M, info.sms * per_sm // columns)  # (the fused add's: grid_add_sums sums)
+        rows = cdiv(M, max(groups, 1))
+        fits = rows <= cfg.grid_rows and (not residual or rows * columns <= cfg.grid_add_sums)
+        return groups if groups >= 1 and fits else 0
 
     # not compiled where even the bound of threads and shared memory per SM leaves none
     most = rows_of_tiles(blocks_per_sm(None, tpr, smem, info))
