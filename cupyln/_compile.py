@@ -89,11 +89,12 @@ class Spec(NamedTuple):
                 "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
         # the leading template arguments of the kernels whose vector width follows the type
         head = f"{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, {self.npt}, {self.warp}"
+        add = ", cln::dresidual" if self.residual else ""  # the fused add's (ADD)
         if self.grid:
-            return {"bwd_grid": f"norm_bwd_grid<{head}, {', '.join(map(str, self.grid))}>",
+            return {"bwd_grid": f"norm_bwd_grid<{head}, {', '.join(map(str, self.grid))}{add}>",
                     **sums}
         if self.resident:
-            return {"bwd_resident": f"norm_bwd_resident<{head}, {self.tiles}>", **sums}
+            return {"bwd_resident": f"norm_bwd_resident<{head}, {self.tiles}{add}>", **sums}
         if self.peeled:  # rows peeled as the forward's: one block each, or column tiles
             peeled = f"norm_bwd_peeled<{head}"
             if pass_ == "bwd":

@@ -9,6 +9,7 @@ Plans are cached per (device, config, signature) in bounded LRU caches.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -156,13 +157,16 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
                     for tiles in cluster_sizes(fc):  # rows in a cluster's shared memory
                         names.update(Spec(t, w, ln, v, fc.resident_npt, warp, tiles,
                                           resident=True).names("fwd").values())
+                residuals = (False, True) if add else (False,)  # and the fused add's
                 if v * t.itemsize == 16 and clusters and bc.resident_npt and \
                         bc.cluster_tiles_long > 1:
-                    names.update(Spec(t, w, ln, v, bc.resident_npt, warp, bc.cluster_tiles_long,
-                                      resident=True).names("bwd_long").values())
+                    for res in residuals:
+                        names.update(Spec(t, w, ln, v, bc.resident_npt, warp,
+                                          bc.cluster_tiles_long, resident=True, residual=res)
+                                     .names("bwd_long").values())
                 if v * t.itemsize == 16 and not hip and bc.grid_vecs and t != FLOAT64:
-                    for step in {1, bc.grid_step_rows}:  # rows split over a cooperative grid
-                        names.update(Spec(t, w, ln, v, bc.grid_npt, warp,
+                    for step, res in itertools.product({1, bc.grid_step_rows}, residuals):
+                        names.update(Spec(t, w, ln, v, bc.grid_npt, warp, residual=res,
                                           grid=_grid_args(bc, step)).names("bwd_long").values())
                 if v * t.itemsize == 16:  # narrower rows peeled
                     for n in PEEL_NPTS:
@@ -658,9 +662,9 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     fused = g.fits and cdiv(M, g.rpb) <= cfg.fused_reduce_blocks and N <= g.tpr * g.rpb
     if not fused:
         g = spread(g, M, info.warp, int(cfg.spread * info.sms))
-    if not g.fits and not residual:
+    if not g.fits:
         for rule in (_plan_bwd_grid, _plan_bwd_resident):
-            plan = rule(config, info, dtype, wdtype, is_ln, M, N, vec)
+            plan = rule(config, info, dtype, wdtype, is_ln, M, N, vec, residual)
             if plan is not None:
                 return plan
     if g.fits:
@@ -712,11 +716,12 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     return Plan(spec, main, kerns[main], grid, block, smem, launch, direct)
 
 
-def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
+def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False):
     """Rows longer than the register tiles' clusters of ``cluster_tiles_long`` blocks hold
     (16-byte vectors, sm_90), in that many column tiles of ``resident_npt`` vectors per thread
-    that keep x and dy in shared memory, at least ``resident_rows`` rows per cluster that fits
-    at once; None elsewhere (row sums and tiles)."""
+    that keep x and dy in shared memory (the fused add's dresidual read from L2), at least
+    ``resident_rows`` rows per cluster that fits at once; None elsewhere (row sums and
+    tiles)."""
     cfg = config.bwd
     npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
     if not (npt and tiles > 1 and info.clusters and info.async_copy and cfg.cluster
@@ -726,7 +731,8 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec):
             N // vec > tiles * RESIDENT_BWD_THREADS * npt:
         return None
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
-    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
+    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True,
+                residual=residual)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     smem = staging_bytes(info, dtype, vec, npt, tpr, 1, wdtype)  # bwd_rows' staged layout
     fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
@@ -746,22 +752,26 @@ def _plan_bwd_rows_of_tiles(cfg, spec, kerns, variant, grid, tpr, smem, N, coope
     return Plan(spec, variant, kern, grid, (tpr, 1), smem, launch, direct=grid[0] == 1)
 
 
-def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
+def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False):
     """Rows of more than ``grid_vecs`` 16-byte vectors (CUDA, cp.async, float32 sums) on column
     tiles of ``grid_tpr`` threads x ``grid_npt`` vectors, in as many rows of tiles (at most M)
-    as run at once, each taking at most ``grid_rows`` rows, the grid launched cooperatively;
-    None elsewhere."""
+    as run at once, each taking at most ``grid_rows`` rows, the grid launched cooperatively
+    (``residual``: the fused add's dresidual staged with x and dy, where each block collects at
+    most ``grid_add_sums`` tiles' row sums); None elsewhere."""
     cfg = config.bwd
     if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
             and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
         return None
     tpr = cfg.grid_tpr
     columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row
-    smem = (cfg.grid_buffers * 2 * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr  # x, dy; gamma
+    rows_in = 3 if residual else 2  # x, dy (dresidual) a row; then gamma
+    smem = (cfg.grid_buffers * rows_in * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr
 
     def rows_of_tiles(per_sm):  # those that run at once; 0 where each takes over grid_rows rows
-        groups = min(M, info.sms * per_sm // columns)
-        return groups if groups >= 1 and cdiv(M, groups) <= cfg.grid_rows else 0
+        groups = min(M, info.sms * per_sm // columns)  # (the fused add's: grid_add_sums sums)
+        rows = cdiv(M, max(groups, 1))
+        fits = rows <= cfg.grid_rows and (not residual or rows * columns <= cfg.grid_add_sums)
+        return groups if groups >= 1 and fits else 0
 
     # not compiled where even the bound of threads and shared memory per SM leaves none
     most = rows_of_tiles(blocks_per_sm(None, tpr, smem, info))
@@ -769,7 +779,8 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec):
         return None
     # fewer rows a row of tiles than grid_step_min_rows go one at a time
     step = cfg.grid_step_rows if cdiv(M, most) >= cfg.grid_step_min_rows else 1
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, grid=_grid_args(cfg, step))
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, residual=residual,
+                grid=_grid_args(cfg, step))
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     groups = rows_of_tiles(_driver.resident_blocks(kerns["bwd_grid"], tpr, smem))
     if not groups:

@@ -23,6 +23,7 @@ constexpr bool part_apply = true, part_stats = false;   // the two launches of r
 constexpr bool in_parts = true, whole_rows = false;     // a backward row's sums in parts
 constexpr bool peeled = true;                           // rows' heads and tails peeled off
 constexpr bool col_tiles = true;                        // long rows on column tiles
+constexpr bool dresidual = true;                        // the fused add's gradient added to dx
 }  // namespace cln
 
 // Stops the kernel with an error: for host/kernel mismatches that would give wrong results.
@@ -310,6 +311,13 @@ template <typename P> struct SmemRow {
   int stride;
   __device__ __forceinline__ P operator[](int k) const { return base[k * stride]; }
 };
+
+// The cache line of `p` fetched into L2 (CUDA; elsewhere nothing): a later load there waits less.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if !defined(CLN_HIP)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
 
 // 16 bytes from global memory at `src` into shared memory at address `s`, or 16 zero bytes
 // where not `ok` (src is then not read). .cg: a row is read once, L1 can be skipped.

@@ -602,12 +602,13 @@ __device__ __forceinline__ void smem_row_sums(const SmemRow<Pack<T, VEC>>& px,
   }
 }
 
-template <bool LN, int NPT, typename T, int VEC, typename W, typename G, typename C,
+// ADD: the fused residual add's dres row (pdr, in shared memory as x and dy) added to dx.
+template <bool LN, int NPT, bool ADD, typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
 __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
-                                            const SmemRow<P>& pdy, const W* gamma,
-                                            const G* gstage, C mu, C rs, C inv_n, const C (&s)[2],
-                                            cl_i64 c0, cl_i64 N, T* dxr) {
+                                            const SmemRow<P>& pdy, const SmemRow<P>& pdr,
+                                            const W* gamma, const G* gstage, C mu, C rs, C inv_n,
+                                            const C (&s)[2], cl_i64 c0, cl_i64 N, T* dxr) {
   const C a = rs * (s[1] * inv_n);
   const C b = LN ? rs * (s[0] * inv_n) : C(0);
 #pragma unroll
@@ -624,6 +625,11 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
       const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
       o[j] = g * rs - (xh * a + b);
     }
+    if constexpr (ADD) {
+      const P r = pdr[k];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
+    }
     store_vec<VEC>(dxr + col, o);
   }
 }
@@ -634,8 +640,10 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
 // second of two buffers, gamma staged once per thread. Both passes over a row (its sums with
 // dgamma/dbeta, then dx) read it from shared memory, so that registers hold little more than
 // the dgamma/dbeta sums; x and dy are read from memory once. Each thread reads only the slots
-// it copied: no barrier. The flush is bwd_rows' (partials, atomics, or one row of blocks).
-template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
+// it copied: no barrier. ADD: the fused residual add's dres added to dx, read from L2 (a third
+// staged array does not fit beside 1024 threads' two: 224 KiB and 8 KiB static), where it is
+// fetched when the row starts. The flush is bwd_rows' (partials, atomics, or one row of blocks).
+template <typename T, typename W, bool LN, int NPT, int WARP, int CL, bool ADD = false>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_resident(CLN_BWD_PARAMS) {
 #if CLN_CLUSTERS && CLN_ASYNC_COPY
@@ -675,6 +683,13 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
     async_wait<1>();  // this row's copies have landed; the next row's stay in flight
     const SmemRow<P> px{stage + (phase & 1) * 2 * NPT * threads + t, threads};
     const SmemRow<P> pdy{px.base + NPT * threads, threads};
+    if constexpr (ADD) {  // this row's dres into L2 while its sums are made
+#pragma unroll
+      for (int k = 0; k < NPT; ++k) {
+        const cl_i64 col = c0 + ((cl_i64)k * threads + t) * VEC;
+        if (col < N) prefetch_l2(dres + row * ldres + col);
+      }
+    }
     // vector k's x - mean (0 past N, where x is 0), dy and gamma, read from shared memory
     auto at = [&](int k, P& xk, P& dk, G& gk, C& mk) {
       xk = px[k];
@@ -722,6 +737,11 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
           const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
           o[j] = g * rs - (xh * a + b);
         }
+        if constexpr (ADD) {
+          const P r = *reinterpret_cast<const P*>(dres + row * ldres + col);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
+        }
         store_vec<VEC>(dxr + col, o);
       }
     }
@@ -744,8 +764,10 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
 // step): one block reduction and one exchange for R rows' sums, since a row's exchange, not its
 // bytes, bounds a step. A step's sums are collected LAG steps after they are published, so that
 // the wait for the slowest tile overlaps LAG steps' work and NB / R - LAG steps stay in flight.
-// The flush is bwd_rows' (partials, atomics, or one row of blocks).
-template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG, int R>
+// ADD: the fused residual add's dres, staged with x and dy, added to dx. The flush is bwd_rows'
+// (partials, atomics, or one row of blocks).
+template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG, int R,
+          bool ADD = false>
 __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 #if CLN_ASYNC_COPY
   constexpr int NS = NB / R;  // steps of rows held
@@ -755,13 +777,15 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
+  constexpr int ROWS_IN = ADD ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
   if (tickets == nullptr || blockDim.y != 1) cl_trap();
   const GridRowSums<2 * R, WARP, 2 * LAG + 2> sums(tickets);
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
   P* stage = reinterpret_cast<P*>(cl_smem);
-  G* gstage = reinterpret_cast<G*>(stage + NB * 2 * NPT * threads);
-  require_dynamic_smem(NB * 2u * NPT * threads * sizeof(P) + NPT * threads * sizeof(G));
+  G* gstage = reinterpret_cast<G*>(stage + NB * ROWS_IN * NPT * threads);
+  require_dynamic_smem(NB * ROWS_IN * NPT * threads * sizeof(P) +
+                       NPT * threads * sizeof(G));
   const cl_i64 c0 = (cl_i64)blockIdx.y * threads * NPT * VEC;  // this block's column tile
   const C inv_n = cl_inv_count(C(0), N);
   C acc_g[NPT][VEC], acc_b[NPT][VEC];
@@ -779,14 +803,16 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
       const cl_i64 q = i * R + r;
       const bool ok = q < n;
       const cl_i64 row = ok ? first + q * step : 0;
-      P* d = stage + (q % NB) * 2 * NPT * threads;
+      P* d = stage + (q % NB) * ROWS_IN * NPT * threads;
       stage_packs<VEC, NPT>(d, x + row * ldx, c0, N, ok);
       stage_packs<VEC, NPT>(d + NPT * threads, dy + row * lddy, c0, N, ok);
+      if constexpr (ADD)
+        stage_packs<VEC, NPT>(d + 2 * NPT * threads, dres + row * ldres, c0, N, ok);
     }
     async_commit();
   };
   auto rows_of = [&](cl_i64 q, SmemRow<P>& px, SmemRow<P>& pdy) {
-    px = SmemRow<P>{stage + (q % NB) * 2 * NPT * threads + t, threads};
+    px = SmemRow<P>{stage + (q % NB) * ROWS_IN * NPT * threads + t, threads};
     pdy = SmemRow<P>{px.base + NPT * threads, threads};
   };
   for (int i = 0; i < NS - LAG; ++i) prefetch(i);
@@ -818,9 +844,10 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
         const cl_i64 q = (i - LAG) * R + r, row = first + q * step;
         const C sr[2] = {s[2 * r], s[2 * r + 1]};
         rows_of(q, px, pdy);
+        const SmemRow<P> pdr{pdy.base + NPT * threads, threads};  // dres (ADD)
         if (dx && q < n)
-          smem_row_dx<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0),
-                               (C)rstd[row], inv_n, sr, c0, N, dx + row * N);
+          smem_row_dx<LN, NPT, ADD>(px, pdy, pdr, gamma, gstage, LN ? (C)mean[row] : C(0),
+                                    (C)rstd[row], inv_n, sr, c0, N, dx + row * N);
       }
     }
     prefetch(i + NS - LAG);  // into step i - LAG's buffers, read above by this thread alone

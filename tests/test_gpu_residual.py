@@ -3,7 +3,7 @@ dtypes, geometries and the backward's variants (marked `gpu`)."""
 
 import numpy as np
 import pytest
-from gpu_cases import BF16, F16, F32, LAYOUTS, PAIRS, assert_close, config_of, host
+from gpu_cases import BF16, F16, F32, LAYOUTS, PAIRS, assert_close, host
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BOUNDARY_N
@@ -138,7 +138,8 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
 
 
 # The backward's variants, each reached by its config: rows in a block with partials or atomics,
-# staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows.
+# staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows,
+# long rows held in shared memory or over a cooperative grid.
 BWD_VARIANTS = {
     "direct": ({"bwd_stage": "never", "bwd_cluster_sums": False}, 4096, 1024),
     "staged": ({"bwd_stage": "always", "bwd_cluster_sums": False}, 4096, 1024),
@@ -150,14 +151,30 @@ BWD_VARIANTS = {
     "cluster tiles, single elements": ({}, 8, 3583),
     "staged cluster tiles": ({"bwd_stage": "always"}, 300, 40000),
     "one cluster of all rows": ({}, 16, 512),
+    "rows held in 16 tiles": ({}, 20, 140000),
+    "cooperative grid": ({}, 20, 300008),
+    "cooperative grid, few rows": ({}, 3, 300008),
 }
+# The long rows' plans for the two calls below (bfloat16 LayerNorm, float32 RMSNorm): the
+# variant, and the grid's rows a step, where the device has clusters and cp.async.
+LONG_BWD = {"rows held in 16 tiles": (("bwd_resident", None), ("bwd_grid", 1)),
+            "cooperative grid": (("bwd_grid", 1), ("bwd_grid", 2)),
+            "cooperative grid, few rows": (("bwd_grid", 1), ("bwd_grid", 1))}
 
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS, ids=list(BWD_VARIANTS))
-def test_dresidual_in_every_backward_variant(variant):
+def test_dresidual_in_every_backward_variant(plans, variant):
+    from cupyln import _plan
+
     fields, M, N = BWD_VARIANTS[variant]
+    info = _plan.device_info(cp.cuda.Device().id)
+    plans.spy("bwd")
+    plans.replan(**fields)
     for op, dt, wdt in (("ln", BF16, F32), ("rms", F32, F32)):
-        run_fused(op, M, N, dt, wdt, config=config_of(**fields))
+        run_fused(op, M, N, dt, wdt, config=plans.config)
+    if variant in LONG_BWD and info.clusters and info.async_copy:
+        assert [(p.variant, p.spec.grid[2] if p.spec.grid else None) for p in plans] == \
+            list(LONG_BWD[variant])
 
 
 def test_deterministic_fused_backward_is_bitwise_repeatable():

@@ -818,19 +818,37 @@ def test_fused_add_plans_direct_rows_in_the_offline_list(dt, M, N, warp, wide_h,
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
-       st.integers(1, 1 << 17), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+       st.integers(1, 1 << 21), WARPS, st.sampled_from(["sm_90", "sm_80", "hip"]))
+@example("bfloat16", 512, 1 << 18, 32, "sm_90")  # held in 16 tiles' shared memory
+@example("bfloat16", 64, 1 << 20, 32, "sm_90")  # over a cooperative grid
+@example("float32", 256, 1 << 18, 32, "sm_80")  # the grid where no cluster is
+@example("bfloat16", 128, 1 << 20, 32, "sm_90")  # too many sums to collect: not the grid
 def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
     """The backward with dresidual builds only the fused add's kernels (in the offline list):
-    rows in a block, staged or not, column tiles, clusters of tiles; never one cluster of all
-    rows nor rows from tickets."""
-    hip = target == "hip"
-    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip,
-                                    residual=True)
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
+    rows in a block, staged or not, column tiles, clusters of tiles, rows held in 16 tiles'
+    shared memory where the plain backward's are, rows over a cooperative grid only where the
+    plain backward's are (dresidual's shared memory: maybe fewer rows of tiles) and each block
+    collects at most ``grid_add_sums`` tiles' row sums; never one cluster of all rows nor rows
+    from tickets."""
+    hip, clusters = target == "hip", target == "sm_90"
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters, hip=hip, residual=True)
+    plain, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters, hip=hip)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=clusters)
     assert all(n.startswith(("norm_bwd_add", "norm_bwd_rowsums", "norm_bwd_reduce"))
-               for n in built.values())
+               or n.endswith("cln::dresidual>") for n in built.values())
     assert plan.spec.residual and not plan.dynamic and plan.variant != "bwd_csum"
     assert plan.spec.vec in (16 // plan.spec.dtype.itemsize, 1)
+    assert (plan.variant == "bwd_resident") == (plain.variant == "bwd_resident")
+    if plain.variant == "bwd_grid":  # the add's grid, where its blocks hold its rows
+        span = BWD.grid_tpr * BWD.grid_npt
+        smem = (BWD.grid_buffers * 48 + plan.spec.vec * plan.spec.dtype.itemsize) * span
+        columns = -(-(N // plan.spec.vec) // span)
+        groups = min(M, 132 * _fake_resident_blocks(None, BWD.grid_tpr, smem) // columns)
+        fits = groups >= 1 and -(-M // groups) * columns <= BWD.grid_add_sums
+        assert (plan.variant == "bwd_grid") == fits
+        assert not fits or (plan.grid, plan.smem) == ((groups, columns), smem)
+    else:
+        assert plan.variant != "bwd_grid"
 
 
 @pytest.mark.parametrize("fields", [
