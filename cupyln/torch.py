@@ -452,7 +452,15 @@ def _eager_function(impl, setup, bwd, n_stats):
         def forward(ctx, *inputs):
             out = impl(*inputs)
             setup(ctx, inputs, out)
+            return Eager.outputs(out)
+
+        @staticmethod
+        def outputs(out):
             return out[0] if len(out) == 1 + n_stats else (out[0], out[-1])
+
+        @staticmethod
+        def without_grad(*inputs):  # no graph to record: apply's own cost saved
+            return Eager.outputs(impl(*inputs))
 
         @staticmethod
         def backward(ctx, dy, *dh):
@@ -481,9 +489,10 @@ def _shape(normalized_shape):
 
 def _call(op, eager, *args):
     """The custom op under ``torch.compile`` (outputs: y, the statistics, then h for the fused
-    add), the eager Function otherwise; either way y, or (y, h) for the fused add."""
+    add), the eager Function where gradients are recorded, its forward alone under
+    ``torch.no_grad()`` / ``inference_mode()``; either way y, or (y, h) for the fused add."""
     if not torch.compiler.is_compiling():
-        return eager.apply(*args)
+        return eager.apply(*args) if torch.is_grad_enabled() else eager.without_grad(*args)
     out = op(*args)
     return (out[0], out[-1]) if op in (_add_ln_fwd, _add_rms_fwd) else out[0]
 

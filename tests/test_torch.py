@@ -143,6 +143,26 @@ def test_no_weight_gradient_without_weight_and_none_where_not_required():
     assert dx.shape == x.shape
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_without_grad_the_forward_runs_without_autograd(monkeypatch, device, context):
+    """Under no_grad / inference_mode the forwards give what they give with autograd (y, and h
+    for the fused add), and no autograd.Function is applied (nothing to record)."""
+    x, w, b, _ = inputs((6, 40), 1, torch.float32, torch.float32, device)
+    r, w = torch.randn_like(x), w.requires_grad_()
+    calls = [lambda: ct.layer_norm(x, (40,), w, b), lambda: ct.rms_norm(x, (40,), w),
+             lambda: ct.add_layer_norm(x, r, (40,), w, b), lambda: ct.add_rms_norm(x, r, (40,), w)]
+    expect = [call() for call in calls]  # (recorded: w requires grad)
+    monkeypatch.setattr(torch.autograd.Function, "apply",
+                        classmethod(lambda *a: pytest.fail("autograd.Function.apply")))
+    with getattr(torch, context)():
+        for call, want in zip(calls, expect, strict=True):
+            got = call()
+            for g, e in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,))),
+                            strict=True):
+                assert torch.equal(g, e) and not g.requires_grad
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_deterministic_module_is_bitwise_repeatable():
