@@ -381,10 +381,16 @@ def host_rows(torch, with_liger=False):
                                                         with_liger).items()}
         mx = torch.randn(32, 512, device="cuda", dtype=torch.float16, requires_grad=True)
         mdy = torch.randn_like(mx)
+
+        def inference(m):
+            with torch.no_grad():
+                return m(mx)
+
         for prov, m in mods.items():
             m = m.to(device="cuda", dtype=torch.float16)
             my = m(mx)
             rows += [(prov, "module_fwd_host", lambda m=m: m(mx)),
+                     (prov, "module_fwd_nograd_host", lambda m=m: inference(m)),
                      (prov, "module_bwd_host", lambda my=my, m=m: torch.autograd.grad(
                          my, (mx, *m.parameters()), mdy, retain_graph=True))]
         tx, tdy, tg, tb = (_to_torch(torch, a) for a in (x, dy, g, b))
