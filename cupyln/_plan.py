@@ -767,8 +767,10 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     rows_in = 3 if residual else 2  # x, dy (dresidual) a row; then gamma
     smem = (cfg.grid_buffers * rows_in * 16 + vec * wdtype.itemsize) * cfg.grid_npt * tpr
 
-    def rows_of_tiles(per_sm):  # those that run at once; 0 where each takes over grid_rows rows
-        groups = min(M, info.sms * per_sm // columns)  # (the fused add's: grid_add_sums sums)
+    # the rows of tiles that run at once; 0 where each takes over grid_rows rows (the fused
+    # add's: or where a block collects over grid_add_sums tiles' row sums)
+    def rows_of_tiles(per_sm):
+        groups = min(M, info.sms * per_sm // columns)
         rows = cdiv(M, max(groups, 1))
         fits = rows <= cfg.grid_rows and (not residual or rows * columns <= cfg.grid_add_sums)
         return groups if groups >= 1 and fits else 0
