@@ -45,9 +45,15 @@ class Spec(NamedTuple):
     resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
     grid: tuple[int, ...] = ()  # rows over a cooperative grid: (buffers, lag, rows a step) (alone)
 
+    def _types(self):
+        return CTYPES[self.dtype], CTYPES[self.wdtype], _op(self.is_ln)
+
     def _args(self):
-        t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
-        return f"{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}"
+        return f"{', '.join(self._types())}, {self.vec}, {self.npt}, {self.warp}"
+
+    def _vec_warp(self):
+        """The template arguments of the kernels without vectors per thread."""
+        return f"{', '.join(self._types())}, {self.vec}, {self.warp}"
 
     @property
     def wide(self):
@@ -75,118 +81,95 @@ class Spec(NamedTuple):
         named constants of kernels/common.cuh (cln::)."""
         if pass_ == "fwd":
             return self._fwd_names()
-        if pass_ == "fwd_long":  # peeled rows longer than one block, in parts over the grid
-            base = f"{CTYPES[self.dtype]}, {CTYPES[self.wdtype]}, {_op(self.is_ln)}, " \
-                   f"{self.vec}, {self.warp}"
-            return {"fwd_parts": f"norm_fwd_parts<{base}, cln::part_stats, cln::peeled>",
-                    "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>"}
-        a = self._args()
-        acc = CTYPES[ACC_DTYPES[self.dtype]]
-        w = CTYPES[self.wdtype]
-        # the partials' sums; long rows in a cluster's shared memory, or split over a
-        # cooperative grid (pass 'bwd_long'): their kernel and those
-        sums = {"reduce": f"norm_bwd_reduce<{acc}, {w}>",
-                "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
-        # the leading template arguments of the kernels whose vector width follows the type
-        head = f"{CTYPES[self.dtype]}, {w}, {_op(self.is_ln)}, {self.npt}, {self.warp}"
-        add = ", cln::dresidual" if self.residual else ""  # the fused add's (ADD)
-        if self.grid:
-            return {"bwd_grid": f"norm_bwd_grid<{head}, {', '.join(map(str, self.grid))}{add}>",
-                    **sums}
-        if self.resident:
-            return {"bwd_resident": f"norm_bwd_resident<{head}, {self.tiles}{add}>", **sums}
-        if self.peeled:  # rows peeled as the forward's: one block each, or column tiles
-            peeled = f"norm_bwd_peeled<{head}"
-            if pass_ == "bwd":
-                return {"bwd_peeled": f"{peeled}>", "reduce": sums["reduce"]}
-            return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
-                    "rowsums": f"norm_bwd_rowsums<{a}, 1, cln::whole_rows, cln::peeled>",
-                    "reduce": sums["reduce"]}
+        if pass_ == "fwd_long":
+            return self._fwd_peeled_parts_names()
+        if self.grid or self.resident:
+            return self._bwd_long_row_names()
+        if self.peeled:
+            return self._bwd_peeled_names(pass_)
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
-            return {"bwd_csum": f"norm_bwd_csum<{a}, {self.tiles}>"}
-        # the fused add's dresidual: kernels of their own, none with tickets or staged clusters
-        rows = "norm_bwd_add" if self.residual else "norm_bwd"
-        names = {
-            "bwd": f"{rows}<{a}, cln::direct, cln::partials>",
-            "bwd_last": f"{rows}<{a}, cln::direct, cln::last_block_sums>",
-            "reduce": sums["reduce"],
-        }
-        if self.stages:
-            names["bwd_staged"] = f"{rows}<{a}, cln::staged, cln::partials>"
-            if not self.residual:
-                names["bwd_staged_dyn"] = f"norm_bwd<{a}, cln::staged, cln::partials, " \
-                                          "cln::tickets>"
-        if pass_ == "bwd_long":  # rows longer than one block: column tiles
-            names["reduce_cols"] = sums["reduce_cols"]
-            names["rowsums"] = f"norm_bwd_rowsums<{a}>"
-            # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N:
-            # 8x3583 f16 8.7 us against 12.6 for row sums + tiles; the fused add's 8.8
-            # against 13.5)
-            if self.tiles > 1 and not self.hip and (self.wide or self.vec == 1):
-                names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"  # few rows
-                kern = "norm_bwd_add_cluster" if self.residual else "norm_bwd_cluster"
-                names["bwd_cluster"] = f"{kern}<{a}, cln::direct, {self.tiles}>"
-                if self.stages:
-                    names["bwd_cluster_staged"] = f"{kern}<{a}, cln::staged, {self.tiles}>"
-            if self.large_cluster:  # for rows only it holds: its cluster kernels alone
-                return {k: v for k, v in names.items()
-                        if (self.wide and k.startswith("bwd_cluster")) or k.startswith("reduce")}
-            if self.wide:  # few long rows in parts over the grid
-                names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
-                names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
-        return names
+            return {"bwd_csum": f"norm_bwd_csum<{self._args()}, {self.tiles}>"}
+        if pass_ == "bwd_long":
+            return self._bwd_tile_names()
+        return self._bwd_row_names()
 
     def _fwd_names(self):
-        t, w = CTYPES[self.dtype], CTYPES[self.wdtype]
         if self.peeled:
-            a = f"norm_fwd_peeled<{t}, {w}, {_op(self.is_ln)}, {self.npt}, {self.warp}"
-            names = {"fwd_peeled": f"{a}>"}
-            if self.npt == 1:  # few rows: gamma and beta read with the row
-                names["fwd_peeled_early"] = f"{a}, cln::params_early>"
-            elif self.stages:  # rows past the resident blocks: the next row copied ahead
-                names["fwd_peeled_staged"] = f"{a}, cln::params_late, cln::staged>"
-            return names
+            return self._fwd_peeled_names()
         if self.resident:  # rows split over a cluster, in its shared memory
-            return {"fwd_resident": f"norm_fwd_resident<{t}, {w}, {_op(self.is_ln)}, "
-                                    f"{self.npt}, {self.warp}, {self.tiles}>"}
-        if self.tiles > 1:  # rows split over a cluster, in one chunk (longer ones: in parts)
-            h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
-            kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
-            a = f"{kern}<{t}, {w}, {h}{_op(self.is_ln)}, {self.vec}, {self.npt}, {self.warp}, " \
-                f"{self.tiles}"
-            names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
-            if self.stages and not h:  # resident clusters, the next row copied ahead
-                names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
-            if self.is_ln and not h:  # rows of whole chunks: no column tests
-                for k in list(names):
-                    stage = "cln::staged" if k.endswith("staged") else "cln::direct"
-                    names[k + "_full"] = f"{a}, cln::one_chunk, {stage}, cln::cols_full>"
-            return names
-        if self.hdtype is not None:  # the fused residual add: direct rows, chunks, parts
-            a = f"{t}, {w}, {CTYPES[self.hdtype]}, {_op(self.is_ln)}, {self.vec}"
-            names = {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
-                     "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
-            if self.wide:  # few long rows in parts over the grid, as the plain forward's
-                names["fwd_parts"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>"
-                names["fwd_apply"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"
-            return names
-        if self.row:  # the row kernel: one chunk, threads fixed
-            row = f"norm_fwd_row<{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}, {self.tpr}"
-            npt = f", {self.npt}" if self.npt > 1 else ""
-            names = {"fwd_row": f"{row}, cln::cols_tested{npt}>"}
-            if self.is_ln:
-                names["fwd_row_full"] = f"{row}, cln::cols_full{npt}>"
-            return names
-        a = self._args()
-        fwd = f"norm_fwd<{a}, cln::direct"
-        base = f"{t}, {w}, {_op(self.is_ln)}, {self.vec}, {self.warp}"
+            t, w, op = self._types()
+            return {"fwd_resident": f"norm_fwd_resident<{t}, {w}, {op}, {self.npt}, "
+                                    f"{self.warp}, {self.tiles}>"}
+        if self.tiles > 1:
+            return self._fwd_cluster_names()
+        if self.hdtype is not None:
+            return self._fwd_add_names()
+        if self.row:
+            return self._fwd_row_names()
+        return self._fwd_rows_names()
+
+    def _fwd_peeled_names(self):
+        t, w, op = self._types()
+        a = f"norm_fwd_peeled<{t}, {w}, {op}, {self.npt}, {self.warp}"
+        names = {"fwd_peeled": f"{a}>"}
+        if self.npt == 1:  # few rows: gamma and beta read with the row
+            names["fwd_peeled_early"] = f"{a}, cln::params_early>"
+        elif self.stages:  # rows past the resident blocks: the next row copied ahead
+            names["fwd_peeled_staged"] = f"{a}, cln::params_late, cln::staged>"
+        return names
+
+    def _fwd_peeled_parts_names(self):
+        """Peeled rows longer than one block, in parts over the grid."""
+        base = self._vec_warp()
+        return {"fwd_parts": f"norm_fwd_parts<{base}, cln::part_stats, cln::peeled>",
+                "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>"}
+
+    def _fwd_cluster_names(self):
+        """Rows split over a cluster, in one chunk (longer ones: in parts)."""
+        t, w, op = self._types()
+        h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
+        kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
+        a = f"{kern}<{t}, {w}, {h}{op}, {self.vec}, {self.npt}, {self.warp}, {self.tiles}"
+        names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
+        if self.stages and not h:  # resident clusters, the next row copied ahead
+            names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
+        if self.is_ln and not h:  # rows of whole chunks: no column tests
+            for k in list(names):
+                stage = "cln::staged" if k.endswith("staged") else "cln::direct"
+                names[k + "_full"] = f"{a}, cln::one_chunk, {stage}, cln::cols_full>"
+        return names
+
+    def _fwd_add_names(self):
+        """The fused residual add: direct rows, chunks, parts."""
+        t, w, op = self._types()
+        a = f"{t}, {w}, {CTYPES[self.hdtype]}, {op}, {self.vec}"
+        names = {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
+                 "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
+        if self.wide:  # few long rows in parts over the grid, as the plain forward's
+            names["fwd_parts"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>"
+            names["fwd_apply"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"
+        return names
+
+    def _fwd_row_names(self):
+        """The row kernel: one chunk, threads fixed."""
+        row = f"norm_fwd_row<{self._vec_warp()}, {self.tpr}"
+        npt = f", {self.npt}" if self.npt > 1 else ""
+        names = {"fwd_row": f"{row}, cln::cols_tested{npt}>"}
+        if self.is_ln:
+            names["fwd_row_full"] = f"{row}, cln::cols_full{npt}>"
+        return names
+
+    def _fwd_rows_names(self):
+        """Rows in one chunk (direct or staged), chunked rows, rows in parts."""
+        fwd, base = f"norm_fwd<{self._args()}, cln::direct", self._vec_warp()
         names = {"fwd": f"{fwd}, cln::params_late, cln::cols_tested>",
                  "fwd_chunked": f"norm_fwd_chunked<{base}>"}
         if self.wide:  # few long rows split over the grid, in two launches
             names["fwd_parts"] = f"norm_fwd_parts<{base}, cln::part_stats>"
             names["fwd_apply"] = f"norm_fwd_parts<{base}, cln::part_apply>"
         if self.stages:
-            names["fwd_staged"] = f"norm_fwd<{a}, cln::staged, cln::params_late, cln::cols_tested>"
+            names["fwd_staged"] = f"norm_fwd<{self._args()}, cln::staged, cln::params_late, " \
+                                  "cln::cols_tested>"
         # gamma/beta loaded with the row: 4-byte and wider types only (2-byte ones spill)
         early = self.npt > 1 and self.dtype.itemsize >= 4 and self.wide
         if early:
@@ -196,6 +179,73 @@ class Spec(NamedTuple):
             names["fwd_full"] = f"{fwd}, cln::params_late, cln::cols_full>"
             if early:
                 names["fwd_early_full"] = f"{fwd}, cln::params_early, cln::cols_full>"
+        return names
+
+    def _sums(self):
+        """The partials' sums (rows of partials; columns of long rows)."""
+        acc, w = CTYPES[ACC_DTYPES[self.dtype]], CTYPES[self.wdtype]
+        return {"reduce": f"norm_bwd_reduce<{acc}, {w}>",
+                "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
+
+    def _bwd_head(self):
+        """The leading template arguments of the kernels whose vector width follows the type."""
+        t, w, op = self._types()
+        return f"{t}, {w}, {op}, {self.npt}, {self.warp}"
+
+    def _bwd_long_row_names(self):
+        """Long rows split over a cooperative grid, or held in a cluster's shared memory."""
+        add = ", cln::dresidual" if self.residual else ""  # the fused add's (ADD)
+        if self.grid:
+            grid = ", ".join(map(str, self.grid))
+            return {"bwd_grid": f"norm_bwd_grid<{self._bwd_head()}, {grid}{add}>",
+                    **self._sums()}
+        return {"bwd_resident": f"norm_bwd_resident<{self._bwd_head()}, {self.tiles}{add}>",
+                **self._sums()}
+
+    def _bwd_peeled_names(self, pass_):
+        """Rows peeled as the forward's: one block each, or column tiles."""
+        peeled, reduce = f"norm_bwd_peeled<{self._bwd_head()}", self._sums()["reduce"]
+        if pass_ == "bwd":
+            return {"bwd_peeled": f"{peeled}>", "reduce": reduce}
+        return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
+                "rowsums": f"norm_bwd_rowsums<{self._args()}, 1, cln::whole_rows, cln::peeled>",
+                "reduce": reduce}
+
+    def _bwd_row_names(self):
+        """Rows within a block. The fused add's dresidual: kernels of their own, none with
+        tickets or staged clusters."""
+        a = self._args()
+        rows = "norm_bwd_add" if self.residual else "norm_bwd"
+        names = {"bwd": f"{rows}<{a}, cln::direct, cln::partials>",
+                 "bwd_last": f"{rows}<{a}, cln::direct, cln::last_block_sums>",
+                 "reduce": self._sums()["reduce"]}
+        if self.stages:
+            names["bwd_staged"] = f"{rows}<{a}, cln::staged, cln::partials>"
+            if not self.residual:
+                names["bwd_staged_dyn"] = f"norm_bwd<{a}, cln::staged, cln::partials, " \
+                                          "cln::tickets>"
+        return names
+
+    def _bwd_tile_names(self):
+        """Rows longer than one block: column tiles, after their row sums or in clusters."""
+        a = self._args()
+        names = {**self._bwd_row_names(), "reduce_cols": self._sums()["reduce_cols"],
+                 "rowsums": f"norm_bwd_rowsums<{a}>"}
+        # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N: 8x3583
+        # f16 8.7 us against 12.6 for row sums + tiles; the fused add's 8.8 against 13.5)
+        if self.tiles > 1 and not self.hip and (self.wide or self.vec == 1):
+            names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"  # few rows
+            kern = "norm_bwd_add_cluster" if self.residual else "norm_bwd_cluster"
+            names["bwd_cluster"] = f"{kern}<{a}, cln::direct, {self.tiles}>"
+            if self.stages:
+                names["bwd_cluster_staged"] = f"{kern}<{a}, cln::staged, {self.tiles}>"
+        if self.large_cluster:  # for rows only it holds: its cluster kernels alone
+            return {k: v for k, v in names.items()
+                    if (self.wide and k.startswith("bwd_cluster")) or k.startswith("reduce")}
+        if self.wide:  # few long rows in parts over the grid
+            acc = CTYPES[ACC_DTYPES[self.dtype]]
+            names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
+            names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
         return names
 
     def __str__(self):
