@@ -127,71 +127,70 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     """Name expressions of every kernel ``config`` can launch on a device of this warp size,
     CUDA or (``hip``) ROCm, which has neither cp.async staging nor clusters; ``clusters``
     (default: CUDA's) False for a CUDA device without them (before sm_90)."""
-    fc, bc = config.fwd, config.bwd
     clusters = not hip if clusters is None else clusters and not hip
-    long_tiles = cluster_sizes(bc) if clusters else (1,)  # the long-row backward's modules
-    bwd_npts = [n for n in range(bc.npt_min, max(bc.npt, bc.tile_npt, bc.cluster_npt) + 1)
-                if not n & (n - 1)]
     names = set()
     for t, w in PARAM_PAIRS:
-        for ln in (True, False):
-            for v in vec_options(t):
-                add = add_vec(t, v) == v  # a width the fused add runs at
-                if v * t.itemsize == 16 and clusters:  # rows split over a cluster
-                    for h in (None, *(h_dtypes(t) if add else ())):
-                        for tiles in fwd_cluster_sizes(fc, ln, h):
-                            names.update(Spec(t, w, ln, v, fc.npt, warp, tiles,
-                                              hdtype=h).names("fwd").values())
-                for n in (1, 2, 4):
-                    if n <= fc.npt:
-                        names.update(Spec(t, w, ln, v, n, warp, hip=hip).names("fwd").values())
-                        if add:
-                            for h in h_dtypes(t):
-                                names.update(Spec(t, w, ln, v, n, warp, hip=hip, hdtype=h)
-                                             .names("fwd").values())
-                    if v * t.itemsize == 16:
-                        for tpr in row_kernel_widths(fc, warp, n):
-                            spec = Spec(t, w, ln, v, n, warp, tpr=tpr, row=True, hip=hip)
-                            names.update(spec.names("fwd").values())
-                if v * t.itemsize == 16 and clusters and fc.resident_npt:
-                    for tiles in cluster_sizes(fc):  # rows in a cluster's shared memory
-                        names.update(Spec(t, w, ln, v, fc.resident_npt, warp, tiles,
-                                          resident=True).names("fwd").values())
-                residuals = (False, True) if add else (False,)  # and the fused add's
-                if v * t.itemsize == 16 and clusters and bc.resident_npt and \
-                        bc.cluster_tiles_long > 1:
-                    for res in residuals:
-                        names.update(Spec(t, w, ln, v, bc.resident_npt, warp,
-                                          bc.cluster_tiles_long, resident=True, residual=res)
-                                     .names("bwd_long").values())
-                if v * t.itemsize == 16 and not hip and bc.grid_vecs and t != FLOAT64:
-                    for step, res in itertools.product({1, bc.grid_step_rows}, residuals):
-                        names.update(Spec(t, w, ln, v, bc.grid_npt, warp, residual=res,
-                                          grid=_grid_args(bc, step)).names("bwd_long").values())
-                if v * t.itemsize == 16:  # narrower rows peeled
-                    for n in PEEL_NPTS:
-                        names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
-                                     .names("fwd").values())
-                    names.update(Spec(t, w, ln, v, fc.npt, warp, hip=hip, peeled=True)
-                                 .names("fwd_long").values())
-                    for n in bwd_npts[:2]:
-                        names.update(Spec(t, w, ln, v, n, warp, hip=hip, peeled=True)
-                                     .names("bwd").values())
-                    names.update(Spec(t, w, ln, v, bc.tile_npt, warp, hip=hip, peeled=True)
-                                 .names("bwd_long").values())
-                for n in bwd_npts:
-                    for pass_, tiles in (("bwd", 1), ("bwd", bc.csum_blocks),
-                                         *(("bwd_long", t) for t in long_tiles)):
-                        if pass_ == "bwd_long" and n not in (bc.tile_npt, bc.cluster_npt):
-                            continue  # long rows take these widths alone
-                        if not clusters and tiles > 1 and pass_ == "bwd":
-                            continue  # one cluster alone: clusters only
-                        names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip)
-                                     .names(pass_).values())
-                        if add and not (tiles > 1 and pass_ == "bwd"):  # no csum for the add
-                            names.update(Spec(t, w, ln, v, n, warp, tiles, hip=hip,
-                                              residual=True).names(pass_).values())
+        for ln, v in itertools.product((True, False), vec_options(t)):
+            for spec, pass_ in itertools.chain(
+                    _fwd_specs(config.fwd, Spec(t, w, ln, v, 1, warp, hip=hip), clusters),
+                    _bwd_specs(config.bwd, Spec(t, w, ln, v, 1, warp, hip=hip), clusters)):
+                names.update(spec.names(pass_).values())
     return names
+
+
+def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
+    """(spec, pass) of every forward kernel of one (dtypes, norm, vector width) ``s``."""
+    add = add_vec(s.dtype, s.vec) == s.vec  # a width the fused add runs at
+    if s.wide and clusters:  # rows split over a cluster
+        for h in (None, *(h_dtypes(s.dtype) if add else ())):
+            for tiles in fwd_cluster_sizes(cfg, s.is_ln, h):
+                yield s._replace(npt=cfg.npt, tiles=tiles, hdtype=h), "fwd"
+        if cfg.resident_npt:  # rows in a cluster's shared memory
+            for tiles in cluster_sizes(cfg):
+                yield s._replace(npt=cfg.resident_npt, tiles=tiles, resident=True), "fwd"
+    for n in (1, 2, 4):
+        if n <= cfg.npt:
+            yield s._replace(npt=n), "fwd"
+            for h in h_dtypes(s.dtype) if add else ():
+                yield s._replace(npt=n, hdtype=h), "fwd"
+        if s.wide:
+            for tpr in row_kernel_widths(cfg, s.warp, n):
+                yield s._replace(npt=n, tpr=tpr, row=True), "fwd"
+    if s.wide:  # narrower rows peeled
+        for n in PEEL_NPTS:
+            yield s._replace(npt=n, peeled=True), "fwd"
+        yield s._replace(npt=cfg.npt, peeled=True), "fwd_long"
+
+
+def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
+    """(spec, pass) of every backward kernel of one (dtypes, norm, vector width) ``s``."""
+    add = add_vec(s.dtype, s.vec) == s.vec
+    residuals = (False, True) if add else (False,)  # and the fused add's
+    if s.wide and clusters and cfg.resident_npt and cfg.cluster_tiles_long > 1:
+        for res in residuals:
+            yield s._replace(npt=cfg.resident_npt, tiles=cfg.cluster_tiles_long,
+                             resident=True, residual=res), "bwd_long"
+    if s.wide and not s.hip and cfg.grid_vecs and s.dtype != FLOAT64:
+        for step, res in itertools.product({1, cfg.grid_step_rows}, residuals):
+            yield s._replace(npt=cfg.grid_npt, residual=res, grid=_grid_args(cfg, step)), \
+                "bwd_long"
+    npts = [n for n in range(cfg.npt_min, max(cfg.npt, cfg.tile_npt, cfg.cluster_npt) + 1)
+            if not n & (n - 1)]
+    if s.wide:  # narrower rows peeled
+        for n in npts[:2]:
+            yield s._replace(npt=n, peeled=True), "bwd"
+        yield s._replace(npt=cfg.tile_npt, peeled=True), "bwd_long"
+    long_tiles = cluster_sizes(cfg) if clusters else (1,)  # the long-row backward's modules
+    for n in npts:
+        for pass_, tiles in (("bwd", 1), ("bwd", cfg.csum_blocks),
+                             *(("bwd_long", t) for t in long_tiles)):
+            if pass_ == "bwd_long" and n not in (cfg.tile_npt, cfg.cluster_npt):
+                continue  # long rows take these widths alone
+            if not clusters and tiles > 1 and pass_ == "bwd":
+                continue  # one cluster alone: clusters only
+            yield s._replace(npt=n, tiles=tiles), pass_
+            if add and not (tiles > 1 and pass_ == "bwd"):  # no csum for the add
+                yield s._replace(npt=n, tiles=tiles, residual=True), pass_
 
 
 # ----------------------------------------------------------------------------- device facts
