@@ -666,6 +666,14 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
             plan = rule(config, info, dtype, wdtype, is_ln, M, N, vec, residual)
             if plan is not None:
                 return plan
+    return _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g, fused)
+
+
+def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g, fused):
+    """Rows within a block (``g`` fits; ``fused``: few enough blocks that the last sums the
+    partials) or on column tiles (in clusters, or after their row sums), on the blocks that
+    run at once (each loops over rows), staged where they loop."""
+    cfg = config.bwd
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip,
                     residual=residual)
@@ -676,14 +684,7 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
         spec, kerns, block, tiles, cluster = _bwd_long_kernels(config, info, dtype, wdtype,
                                                                is_ln, N, vec, residual)
         colsum = 0
-
-    def grid_of(kern, smem):  # the resident blocks (each loops over rows), at most one per row
-        if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
-            fit = _driver.max_active_clusters(kern, (1, tiles), block, smem)
-            return (max(1, min(M, fit)), tiles)
-        resident = info.sms * blocks_per_sm(kern, block[0] * block[1], smem, info)
-        return (max(1, min(cdiv(M, block[1]), cdiv(resident, tiles))), tiles)
-
+    grid_of = functools.partial(_resident_grid, info, M, block, tiles, cluster)
     main = "bwd_cluster" if cluster else "bwd"
     grid, smem = grid_of(kerns[main], colsum), colsum
     stage = staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype, residual)
@@ -692,14 +693,10 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
         main += "_staged"
         smem = max(colsum, stage)
         grid = grid_of(kerns[main], smem)
-    launch = {}
-    # rows from tickets for calls that need not be deterministic: rows that span warps (the
-    # reductions' block barrier orders the tickets' hand-on), one column tile, fewer than 2^31
-    # groups of rows (counted in 32 bits), on the grid that both kernels fit
-    dyn = (cfg.dynamic and main == "bwd_staged" and block[0] > info.warp and tiles == 1
-           and cdiv(M, block[1]) < 2**31 and "bwd_staged_dyn" in kerns)
+    dyn = _takes_tickets(cfg, kerns, main, block, tiles, M, info.warp)
     if dyn:
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
+    launch = {}
     if not g.fits and not cluster:
         launch.update(_rowsums_launchers(info, cfg, kerns, M, N, spec))
     # one row of blocks (one long row) needs no partials: each block writes its columns'
@@ -713,6 +710,23 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     if dyn:
         launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch, direct)
+
+
+def _resident_grid(info, M, block, tiles, cluster, kern, smem):
+    """The blocks of ``kern`` that run at once (each loops over rows), at most one per row."""
+    if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
+        fit = _driver.max_active_clusters(kern, (1, tiles), block, smem)
+        return (max(1, min(M, fit)), tiles)
+    resident = info.sms * blocks_per_sm(kern, block[0] * block[1], smem, info)
+    return (max(1, min(cdiv(M, block[1]), cdiv(resident, tiles))), tiles)
+
+
+def _takes_tickets(cfg: BwdConfig, kerns, main, block, tiles, M, warp):
+    """Whether calls that need not be deterministic take rows from tickets: staged rows that
+    span warps (the reductions' block barrier orders the tickets' hand-on), one column tile,
+    fewer than 2^31 groups of rows (counted in 32 bits)."""
+    return (cfg.dynamic and main == "bwd_staged" and block[0] > warp and tiles == 1
+            and cdiv(M, block[1]) < 2**31 and "bwd_staged_dyn" in kerns)
 
 
 def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False):
