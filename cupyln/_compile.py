@@ -275,8 +275,13 @@ def _read(name):
 @functools.cache
 def source():
     """All kernels as one translation unit (headers inlined: no include paths needed)."""
+    return translation_unit(_read)
+
+
+def translation_unit(read):
+    """The kernels' files, each read by ``read(file name)``, as one translation unit."""
     local = re.compile(r'^(#pragma once|#include "\w+\.cuh")\s*$', flags=re.M)
-    return "\n".join(local.sub("", _read(name)) for name in HEADERS + SOURCES)
+    return "\n".join(local.sub("", read(name)) for name in HEADERS + SOURCES)
 
 
 @functools.cache
@@ -333,11 +338,12 @@ def compile_nvrtc(names, arch, text=None, ptx=None, syntax_only=False):
         nvrtc.destroyProgram(prog)
 
 
-def hip_source(names):
-    """A HIP translation unit that instantiates the kernels named by ``names`` (hipcc checks)."""
+def hip_source(names, text=None):
+    """A HIP translation unit that instantiates the kernels named by ``names`` (hipcc checks),
+    from the shipped kernels or from ``text``."""
     names = sorted(names)
     refs = ",\n  ".join(f"(const void*)&{n}" for n in names)
     return (
-        "#include <hip/hip_runtime.h>\n" + source()
+        "#include <hip/hip_runtime.h>\n" + (text or source())
         + f"\n__attribute__((used)) static const void* cupyln_instances[] = {{\n  {refs}\n}};\n"
     )

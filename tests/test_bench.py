@@ -31,20 +31,44 @@ def test_providers_take_turns_and_a_failing_one_is_left_out(monkeypatch):
     assert isinstance(out["broken"], RuntimeError)
 
 
-def test_leave_out_removes_exactly_the_forward_reductions():
-    pytest.importorskip("cupy")  # the script imports it
+def _script(name):
+    """A module of benchmarks/ (the scripts import CuPy)."""
+    pytest.importorskip("cupy")
     import importlib.util
     import pathlib
 
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_leave_out_removes_exactly_the_forward_reductions():
+    leave_out = _script("leave_out")
     from cupyln import _compile
 
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "leave_out.py"
-    spec = importlib.util.spec_from_file_location("leave_out", path)
-    leave_out = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(leave_out)
     src = _compile.source()
     out = leave_out.without_reductions(src)
     assert not any(call in out for call in leave_out.REDUCTIONS)
     assert len(src) - len(out) == sum(map(len, leave_out.REDUCTIONS))
     with pytest.raises(RuntimeError, match="not in the source"):
         leave_out.without_reductions(out)
+
+
+def test_same_code_tells_a_changed_kernel_from_the_same(monkeypatch, capsys):
+    """The refactor check compiles both sources and finds the one kernel whose launch bound
+    changed (its PTX's .maxntid), and no difference where the sources are the same."""
+    same_code = _script("same_code")
+    from cupyln import _compile
+
+    monkeypatch.setattr(same_code, "_git_reader", lambda rev: _compile._read)  # base: this tree
+    args = ["BASE", "--arch", "compute_80", "--kernels", "norm_bwd_rowsums_merge"]
+    assert same_code.main(args) == 0
+    assert "compute_80 norm_bwd_rowsums_merge: 2 of 2 the same" in capsys.readouterr().out
+    src = _compile.source()
+    bound = src.rindex("__launch_bounds__(1024)", 0, src.index("norm_bwd_rowsums_merge("))
+    changed = src[:bound] + src[bound:].replace("(1024)", "(512)", 1)
+    monkeypatch.setattr(_compile, "source", lambda: changed)
+    assert same_code.main(args) == 1
+    assert "compute_80 norm_bwd_rowsums_merge: 0 of 2 the same" in capsys.readouterr().out

@@ -1,0 +1,118 @@
+"""Whether the kernels compile to the same code as at another revision, no GPU needed.
+
+    python benchmarks/same_code.py BASE [--arch compute_90 compute_80] [--hip gfx90a]
+                                        [--kernels norm_bwd,norm_bwd_add]
+
+Every kernel the default config builds (the working tree's names, those of the templates named
+by --kernels, all by default) is compiled from the kernel sources at git revision BASE and from
+the working tree: with NVRTC to PTX for each --arch (what ptxas would be given) and with hipcc
+to AMDGPU assembly for each --hip target. For each template it prints how many kernels compile
+to the same text. Block labels are renumbered and a function-local static variable goes by its
+own name (its mangled owner changes when code moves into a helper). A refactor that leaves every
+kernel the same changes nothing a GPU run could see. Exits 1 where any kernel differs.
+"""
+
+import argparse
+import collections
+import concurrent.futures
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from cupyln import _compile
+from cupyln._plan import all_kernel_names
+
+
+def _static(m):
+    """A mangled function-local static (_ZZ <owner> E <length> <name>) as its own name."""
+    tail = re.search(r"E(\d+)(\w+)$", m.group(0))
+    return f"static_{tail.group(2)}" if tail and len(tail.group(2)) == int(tail.group(1)) \
+        else m.group(0)
+
+
+def _normal(text):
+    text = re.sub(r"\$L__BB\d+_", "$L__BB_", text)  # PTX block labels
+    text = re.sub(r"\.LBB\d+_", ".LBB_", text)  # AMDGPU block labels
+    return re.sub(r"_ZZ\w+", _static, text)
+
+
+def _git_reader(rev):
+    def read(name):
+        return subprocess.run(["git", "show", f"{rev}:kernels/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+    return read
+
+
+def _ptx(text, names, arch):
+    """{name expression: its entry's PTX} from one NVRTC program of ``names``."""
+    ptx = []
+    lowered = _compile.compile_nvrtc(names, arch, text=text, ptx=ptx)
+    entries = {m.group(1): m.group(0)
+               for m in re.finditer(r"\.entry (\w+)\(.*?\n}\n", ptx[0], flags=re.S)}
+    return {n: _normal(entries[lowered[n]]) for n in names}
+
+
+def _amdgpu(text, names, arch):
+    """{mangled symbol: its assembly} from one hipcc compile of ``names``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.hip"), os.path.join(tmp, "k.s")
+        with open(src, "w") as f:
+            f.write(_compile.hip_source(names, text))
+        subprocess.run(["hipcc", "-x", "hip", f"--offload-arch={arch}", "--cuda-device-only",
+                        "-O3", *_compile.OPTIONS, "-S", src, "-o", out], check=True,
+                       capture_output=True, env=dict(os.environ, HIP_PLATFORM="amd"))
+        with open(out) as f:
+            asm = f.read()
+    code = {m.group(1): m.group(0)
+            for m in re.finditer(r"^(_Z\w+):.*?^\.Lfunc_end\d+:", asm, flags=re.S | re.M)}
+    # with each kernel's descriptor and metadata (registers, shared memory, launch bound)
+    for m in re.finditer(r"\.amdhsa_kernel (\w+)\n.*?\.end_amdhsa_kernel", asm, flags=re.S):
+        code[m.group(1)] = code.get(m.group(1), "") + m.group(0)
+    for entry in re.split(r"\n  - ", asm.split("amdhsa.kernels:", 1)[-1])[1:]:
+        name = re.search(r"\.name:\s+(\w+)", entry)
+        if name:
+            code[name.group(1)] = code.get(name.group(1), "") + entry
+    return {k: _normal(v) for k, v in code.items()}
+
+
+def _template(key):
+    """The template of a name expression (norm_bwd<...>) or a mangled symbol (_Z8norm_bwdI...)."""
+    mangled = re.match(r"_Z(\d+)", key)
+    if mangled:
+        start = mangled.end()
+        return key[start:start + int(mangled.group(1))]
+    return re.match(r"\w+", key).group(0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base", help="git revision whose kernels/ is compared")
+    ap.add_argument("--arch", nargs="*", default=["compute_90", "compute_80"])
+    ap.add_argument("--hip", nargs="*", default=[], help="AMDGPU targets, e.g. gfx90a gfx1030")
+    ap.add_argument("--kernels", default="", help="template names, comma-separated (all)")
+    args = ap.parse_args(argv)
+    wanted = set(filter(None, args.kernels.split(",")))
+    texts = (_compile.translation_unit(_git_reader(args.base)), _compile.source())
+    jobs = [(_ptx, a, 32, a != "compute_80", False) for a in args.arch]
+    jobs += [(_amdgpu, a, 32 if a.startswith("gfx10") else 64, False, True) for a in args.hip]
+    differ = False
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # NVRTC and hipcc free the GIL
+        for build, arch, warp, clusters, hip in jobs:
+            names = sorted(n for n in all_kernel_names(warp, clusters=clusters, hip=hip)
+                           if not wanted or _template(n) in wanted)
+            base, new = pool.map(build, texts, (names,) * 2, (arch,) * 2)
+            counts = collections.defaultdict(lambda: [0, 0])
+            for key in base.keys() | new.keys():
+                c = counts[_template(key)]
+                c[0] += 1
+                c[1] += base.get(key) == new.get(key)
+            for template, (n, same) in sorted(counts.items()):
+                print(f"{arch} {template}: {same} of {n} the same")
+                differ |= same < n
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
