@@ -131,9 +131,9 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     names = set()
     for t, w in PARAM_PAIRS:
         for ln, v in itertools.product((True, False), vec_options(t)):
-            for spec, pass_ in itertools.chain(
-                    _fwd_specs(config.fwd, Spec(t, w, ln, v, 1, warp, hip=hip), clusters),
-                    _bwd_specs(config.bwd, Spec(t, w, ln, v, 1, warp, hip=hip), clusters)):
+            s = Spec(t, w, ln, v, 1, warp, hip=hip)
+            for spec, pass_ in itertools.chain(_fwd_specs(config.fwd, s, clusters),
+                                               _bwd_specs(config.bwd, s, clusters)):
                 names.update(spec.names(pass_).values())
     return names
 
@@ -694,7 +694,7 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
         smem = max(colsum, stage)
         grid = grid_of(kerns[main], smem)
     dyn = _takes_tickets(cfg, kerns, main, block, tiles, M, info.warp)
-    if dyn:
+    if dyn:  # on the grid that both kernels fit
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
     launch = {}
     if not g.fits and not cluster:
