@@ -114,6 +114,16 @@ template <int XC, typename C> struct ClusterSums {
 };
 
 
+// dx of one row from its two sums s = (sum(g), sum(g * xhat)), g = dy * gamma:
+// dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), two fused
+// multiply-adds per element (RMSNorm: no mean(g) term, b = 0).
+template <bool LN, typename C> struct DxRow {
+  C rs, a, b;
+  __device__ __forceinline__ DxRow(C rstd, const C (&s)[2], C inv_n)
+      : rs(rstd), a(rstd * (s[1] * inv_n)), b(LN ? rstd * (s[0] * inv_n) : C(0)) {}
+  __device__ __forceinline__ C operator()(C g, C xh) const { return g * rs - (xh * a + b); }
+};
+
 // Column sums over the blockDim.y (> 1) rows of a block, each in a fixed order (row 0, 1, ...):
 // the threads put their V consecutive columns in `buf` (blockDim.x * blockDim.y * V values),
 // then all threads of the block share the blockDim.x * V columns, so no thread sums alone.

@@ -362,7 +362,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       row_allreduce<WARP>(s, phase);
     }
     if (dx && valid) {
-      // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b)
+      // DxRow's dx written out: through DxRow the compiled code of these kernels changed
       const C a = rs * (s[1] * inv_n);
       const C b = LN ? rs * (s[0] * inv_n) : C(0);
       T* dxr = dx + row * N;
@@ -478,9 +478,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
       row_allreduce<WARP>(s, phase);
     }
     if (!dx) continue;
-    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), as bwd_rows
-    const C a = rs * (s[1] * inv_n);
-    const C b = LN ? rs * (s[0] * inv_n) : C(0);
+    const DxRow<LN, C> dxe(rs, s, inv_n);
     T* dxr = dx + row * N;
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
@@ -488,10 +486,10 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
       if (col >= mid) continue;
       C o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = g[k][j] * rs - (xh[k][j] * a + b);
+      for (int j = 0; j < VEC; ++j) o[j] = dxe(g[k][j], xh[k][j]);
       store_vec<VEC>(dxr + head + col, o);
     }
-    if (has_e) dxr[ec] = Store<T>::cvt(ge * rs - (xhe * a + b));
+    if (has_e) dxr[ec] = Store<T>::cvt(dxe(ge, xhe));
   }
   // every column once: the middle's by its vectors' threads, the head's and tail's by theirs
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;
@@ -609,8 +607,7 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
                                             const SmemRow<P>& pdy, const SmemRow<P>& pdr,
                                             const W* gamma, const G* gstage, C mu, C rs, C inv_n,
                                             const C (&s)[2], cl_i64 c0, cl_i64 N, T* dxr) {
-  const C a = rs * (s[1] * inv_n);
-  const C b = LN ? rs * (s[0] * inv_n) : C(0);
+  const DxRow<LN, C> dxe(rs, s, inv_n);
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const cl_i64 col = c0 + ((cl_i64)k * px.stride + threadIdx.x) * VEC;
@@ -623,7 +620,7 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
     for (int j = 0; j < VEC; ++j) {
       const C xh = ((C)elem(xk, j) - mk) * rs;
       const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
-      o[j] = g * rs - (xh * a + b);
+      o[j] = dxe(g, xh);
     }
     if constexpr (ADD) {
       const P r = pdr[k];
@@ -718,9 +715,8 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
       }
     }
     cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
-    if (dx) {  // dx = g * rs - (xhat * a + b), as bwd_rows'
-      const C a = rs * (s[1] * inv_n);
-      const C b = LN ? rs * (s[0] * inv_n) : C(0);
+    if (dx) {
+      const DxRow<LN, C> dxe(rs, s, inv_n);
       T* dxr = dx + row * N;
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
@@ -735,7 +731,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
         for (int j = 0; j < VEC; ++j) {
           const C xh = ((C)elem(xk, j) - mk) * rs;
           const C g = gamma ? (C)elem(dk, j) * (C)elem(gk, j) : (C)elem(dk, j);
-          o[j] = g * rs - (xh * a + b);
+          o[j] = dxe(g, xh);
         }
         if constexpr (ADD) {
           const P r = *reinterpret_cast<const P*>(dres + row * ldres + col);
