@@ -313,12 +313,13 @@ def kernels(spec, pass_, text=None):
 # ----------------------------------------------------------------------------- offline checks
 
 
-def compile_nvrtc(names, arch, text=None, ptx=None, syntax_only=False):
+def compile_nvrtc(names, arch, text=None, ptx=None, syntax_only=False, log=None, options=()):
     """Compile the kernels named by ``names`` with NVRTC for ``arch`` (e.g. 'sm_90', or
     'compute_80' for PTX alone; ``syntax_only``: the front end alone, every template
     instantiated and checked, no code); no GPU needed. Returns the lowered (mangled) names, and
-    puts the PTX text in the list ``ptx`` where given; raises RuntimeError with NVRTC's log on
-    failure."""
+    puts the PTX text in the list ``ptx`` and NVRTC's log (with ``options`` such as
+    ``-Xptxas=-v``: ptxas's report) in the list ``log`` where given; raises RuntimeError with
+    the log on failure."""
     from cupy_backends.cuda.libs import nvrtc
 
     names = sorted(names)
@@ -328,9 +329,12 @@ def compile_nvrtc(names, arch, text=None, ptx=None, syntax_only=False):
             nvrtc.addNameExpression(prog, n)
         try:
             front = ["-fdevice-syntax-only"] if syntax_only else []
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *front, *OPTIONS])
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *front, *OPTIONS,
+                                        *options])
         except Exception as e:
             raise RuntimeError(f"NVRTC {arch}: {e}\n{nvrtc.getProgramLog(prog)}") from e
+        if log is not None:
+            log.append(nvrtc.getProgramLog(prog))
         if ptx is not None and not syntax_only:
             ptx.append(nvrtc.getPTX(prog).decode(errors="replace"))
         return {n: nvrtc.getLoweredName(prog, n) for n in names}

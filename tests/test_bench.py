@@ -1,5 +1,8 @@
 """The benchmark's interleaved timing, checked on the CPU (device_samples replaced)."""
 
+import re
+import sys
+
 import pytest
 
 bench = pytest.importorskip("cupyln.bench", exc_type=ImportError)  # needs CuPy installed
@@ -37,7 +40,10 @@ def _script(name):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    folder = pathlib.Path(__file__).parent.parent / "benchmarks"
+    if str(folder) not in sys.path:  # the scripts import each other, as when run from there
+        sys.path.insert(0, str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -72,3 +78,27 @@ def test_same_code_tells_a_changed_kernel_from_the_same(monkeypatch, capsys):
     monkeypatch.setattr(_compile, "source", lambda: changed)
     assert same_code.main(args) == 1
     assert "compute_80 norm_bwd_rowsums_merge: 0 of 2 the same" in capsys.readouterr().out
+
+
+def test_spills_reads_ptxas_report_and_tells_what_changed(monkeypatch, capsys):
+    """The spill report reads each kernel's registers from ptxas, and with --base names the
+    kernels that a launch bound of 8 blocks of 256 threads (32 registers a thread) squeezed."""
+    spills = _script("spills")
+    from cupyln import _compile
+
+    args = ["--arch", "sm_80", "--kernels", "norm_bwd_reduce_cols", "--all"]
+    assert spills.main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"norm_bwd_reduce_cols<double, double>: (\d+) registers, 0 B stack, 0/0 B",
+                     out)
+    assert "norm_bwd_reduce_cols: 0 of 4 spill" in out
+    monkeypatch.setattr(spills, "_git_reader", lambda rev: _compile._read)  # base: this tree
+    src = _compile.source()
+    bound = src.rindex("__launch_bounds__(256)", 0, src.index("norm_bwd_reduce_cols("))
+    changed = src[:bound] + src[bound:].replace("(256)", "(256, 8)", 1)
+    monkeypatch.setattr(_compile, "source", lambda: changed)
+    assert spills.main([*args, "--base", "BASE"]) == 0
+    out = capsys.readouterr().out
+    now = re.search(r"changed norm_bwd_reduce_cols<double, double>:\n  BASE: (\d+) registers.*"
+                    r"\n  now: (\d+) registers", out)
+    assert now and int(now.group(2)) <= 32 < int(now.group(1)), out
