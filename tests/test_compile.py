@@ -4,15 +4,17 @@ gfx90a and gfx940 (wave64) and gfx1030 (wave32). Each target's kernels are dealt
 (sorted by name) into CHUNKS programs, so that pytest-xdist spreads them over the cores. Every
 specialization goes through every target's front end (each template instantiated and checked,
 against the target's builtins too), and to machine code where MACHINE_CODE says: sm_90 (as at
-run time) three chunks, sm_80 (PTX, scanned for sm_90's instructions) the fourth, gfx90a and
-gfx1030 one each, so that each specialization reaches code for CUDA and half of them for a
-HIP target. These run with ``--all-kernels`` (CI does); in CI (CI=true) a missing compiler is a
+run time) three quarters of the chunks, sm_80 (PTX, scanned for sm_90's instructions) the last
+quarter, gfx90a and gfx1030 a quarter each, so that each specialization reaches code for CUDA
+and half of them for a HIP target. Eight chunks, not four: xdist steals pending tests by count,
+not by time, and four chunks of 170-230 s (sm_90) left one core alone for about three minutes
+at the end of CI's run. These run with ``--all-kernels`` (CI does); in CI (CI=true) a missing compiler is a
 failure, not a skip. Also: the wheel ships the sources.
 
 Why not machine code everywhere: on CI's two cores the five full builds took about 21 of the
 run's 24 minutes (1586 and 1290 NVRTC kernels, three times about 1160 hipcc kernels), and
 machine code for sm_90 and gfx90a alone still 18 of a local run's 22. A front end takes 2 s
-(NVRTC) or 5 s (hipcc) of a chunk's 80-200 s; what code generation alone would catch (an
+(NVRTC) or 5 s (hipcc) of a chunk's 40-110 s; what code generation alone would catch (an
 instruction outside its architecture's guard, a resource limit) lies in helpers and kernel
 families, which each chunk holds but for families of fewer than CHUNKS kernels."""
 
@@ -26,10 +28,13 @@ import zipfile
 import pytest
 
 IN_CI = bool(os.environ.get("CI"))
-CHUNKS = 4
+CHUNKS = 8
 NVRTC = ["sm_80", "sm_90"]
 HIPCC = [("gfx90a", 64), ("gfx940", 64), ("gfx1030", 32)]
-MACHINE_CODE = {"sm_90": {0, 1, 2}, "sm_80": {3}, "gfx90a": {3}, "gfx1030": {0}, "gfx940": set()}
+_QUARTER = CHUNKS // 4
+MACHINE_CODE = {"sm_90": set(range(3 * _QUARTER)), "sm_80": set(range(3 * _QUARTER, CHUNKS)),
+                "gfx90a": set(range(3 * _QUARTER, CHUNKS)), "gfx1030": set(range(_QUARTER)),
+                "gfx940": set()}
 # PTX that sm_80 does not run: clusters, their shared memory and barriers, tensor-memory copies
 SM90_PTX = re.compile(r"\b(mapa|st\.async|barrier\.cluster|fence\.mbarrier_init|cp\.async\.bulk"
                       r"|elect\.sync|setmaxnreg|wgmma)\b|expect_tx|%cluster_|::cluster")
@@ -117,6 +122,11 @@ def test_chunks_cover_every_name_once():
     names = {f"k{i}" for i in range(1279)}
     parts = [_chunk(names, i) for i in range(CHUNKS)]
     assert set().union(*parts) == names and sum(map(len, parts)) == len(names)
+    # every chunk to CUDA code once (sm_90 or sm_80's PTX), half of them to a HIP target's
+    cuda, hip = (MACHINE_CODE["sm_90"], MACHINE_CODE["sm_80"]), (MACHINE_CODE["gfx90a"],
+                                                                 MACHINE_CODE["gfx1030"])
+    assert set.union(*cuda) == set(range(CHUNKS)) and not set.intersection(*cuda)
+    assert len(set.union(*hip)) == CHUNKS // 2 and not set.intersection(*hip)
 
 
 def test_wheel_ships_kernel_sources(tmp_path):
