@@ -483,12 +483,14 @@ def load_shapes(path=None):
     return [(op, M, N, dt) for op in ("layernorm", "rmsnorm") for M, N, dt in d.get(op, [])]
 
 
-# The sweep of the plot's second panel: LayerNorm bfloat16 rows of N from 256 to 1,048,576 (and
-# two lengths no vector width divides, RMSNorm's too) at M * N = 2^27 elements, the plain passes
-# only.
+# The sweep of the plot's third panel: LayerNorm bfloat16 rows of N from 256 to 1,048,576 at
+# M * N = 2^27 elements, the plain passes only, and lengths that no vector width divides (odd:
+# their rows are peeled, or read in narrow vectors where no peeled kernel holds them), RMSNorm's
+# too.
+ODD_N = (3583, 50257, 65535, 131071, 1048575)
 SWEEP = [("layernorm", 2**27 // n, n, "bfloat16")
-         for n in sorted([2**k for k in range(8, 21)] + [3583, 50257])] + \
-    [("rmsnorm", 2**27 // n, n, "bfloat16") for n in (3583, 50257)]
+         for n in sorted([2**k for k in range(8, 21)] + list(ODD_N))] + \
+    [("rmsnorm", 2**27 // n, n, "bfloat16") for n in ODD_N]
 
 
 def run(shapes, progress=True, sweep=()):
@@ -598,20 +600,25 @@ def plot(result, path, M=4096, dtype="float16", op="layernorm"):
         ax.grid(alpha=0.3)
     ax = axes[2]
     for prov, color in (("cupyln", "C0"), ("torch", "C1"), ("liger", "C2")):
-        for p, ls in (("fwd", "-"), ("bwd", "--")):
+        for p, ls, odd in (("fwd", "-", "x"), ("bwd", "--", "+")):
             pts = sorted((r["N"], r["GBs"]) for r in result["rows"]
                          if r["provider"] == prov and r["pass"] == p and r["op"] == "layernorm"
                          and r["M"] * r["N"] == 2**27 - 2**27 % r["N"]
                          and r["dtype"] == "bfloat16" and r["GBs"])
-            if len(pts) > 2:
-                ax.plot(*zip(*pts, strict=True), ls, marker=".", color=color,
+            pow2 = [pt for pt in pts if pt[0] & (pt[0] - 1) == 0]
+            if len(pow2) > 2:
+                ax.plot(*zip(*pow2, strict=True), ls, marker=".", color=color,
                         label=f"{prov} {p}")
+            others = [pt for pt in pts if pt not in pow2]  # odd N: markers, not on the line
+            if others and len(pow2) > 2:
+                ax.plot(*zip(*others, strict=True), odd, ls="none", color=color)
+    ax.plot([], [], "x", color="gray", label="odd N (x fwd, + bwd)")
     ax.axhline(result["copy_GBs"], color="gray", ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("N (M·N = 2^27)")
     ax.set_title("layernorm, bfloat16, M·N = 2^27")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left")
     axes[0].set_ylabel("GB/s")
     axes[1].legend()
     fig.tight_layout()

@@ -102,3 +102,19 @@ def test_spills_reads_ptxas_report_and_tells_what_changed(monkeypatch, capsys):
     now = re.search(r"changed norm_bwd_reduce_cols<double, double>:\n  BASE: (\d+) registers.*"
                     r"\n  now: (\d+) registers", out)
     assert now and int(now.group(2)) <= 32 < int(now.group(1)), out
+
+
+def test_plot_draws_the_sweep_with_its_odd_lengths(tmp_path):
+    """The plot's three panels from a result holding the sweep's rows, odd lengths included
+    (their rows peeled or narrow, drawn apart from the powers of two)."""
+    pytest.importorskip("matplotlib")
+    assert all(n % 2 == 1 for n in bench.ODD_N)
+    assert {(op, n) for op, _, n, _ in bench.SWEEP if n in bench.ODD_N} == \
+        {(op, n) for op in ("layernorm", "rmsnorm") for n in bench.ODD_N}
+    rows = [{"provider": prov, "pass": p, "op": op, "M": M, "N": N, "dtype": dt,
+             "GBs": 1000.0 + N % 997}
+            for op, M, N, dt in bench.SWEEP for prov in ("cupyln", "torch")
+            for p in ("fwd", "bwd")]
+    path = tmp_path / "plot.png"
+    bench.plot({"rows": rows, "copy_GBs": 4000.0}, path)
+    assert path.stat().st_size > 10_000
