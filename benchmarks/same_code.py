@@ -9,7 +9,8 @@ the working tree: with NVRTC to PTX for each --arch (what ptxas would be given) 
 to AMDGPU assembly for each --hip target. For each template it prints how many kernels compile
 to the same text. Block labels are renumbered and a function-local static variable goes by its
 own name (its mangled owner changes when code moves into a helper). A refactor that leaves every
-kernel the same changes nothing a GPU run could see. Exits 1 where any kernel differs.
+kernel the same changes nothing a GPU run could see. Exits 1 where any kernel differs; templates
+that BASE does not define are counted apart, as new.
 """
 
 import argparse
@@ -71,10 +72,16 @@ def _amdgpu(text, names, arch):
     for m in re.finditer(r"\.amdhsa_kernel (\w+)\n.*?\.end_amdhsa_kernel", asm, flags=re.S):
         code[m.group(1)] = code.get(m.group(1), "") + m.group(0)
     for entry in re.split(r"\n  - ", asm.split("amdhsa.kernels:", 1)[-1])[1:]:
+        entry = entry.split("\namdhsa.", 1)[0]  # the last entry: not the target lines after it
         name = re.search(r"\.name:\s+(\w+)", entry)
         if name:
             code[name.group(1)] = code.get(name.group(1), "") + entry
     return {k: _normal(v) for k, v in code.items()}
+
+
+def defined_in(text, names):
+    """The ``names`` whose template ``text`` defines (a kernel added since BASE is not)."""
+    return [n for n in names if re.search(rf"\b{_template(n)}\s*\(", text)]
 
 
 def _template(key):
@@ -102,15 +109,21 @@ def main(argv=None):
         for build, arch, warp, clusters, hip in jobs:
             names = sorted(n for n in all_kernel_names(warp, clusters=clusters, hip=hip)
                            if not wanted or _template(n) in wanted)
-            base, new = pool.map(build, texts, (names,) * 2, (arch,) * 2)
+            old = defined_in(texts[0], names)
+            base, new = pool.map(build, texts, (old, names), (arch,) * 2)
             counts = collections.defaultdict(lambda: [0, 0])
+            added = {_template(n) for n in names} - {_template(n) for n in old}
+            added = collections.Counter(_template(k) for k in new if _template(k) in added)
             for key in base.keys() | new.keys():
-                c = counts[_template(key)]
-                c[0] += 1
-                c[1] += base.get(key) == new.get(key)
+                if _template(key) not in added:
+                    c = counts[_template(key)]
+                    c[0] += 1
+                    c[1] += base.get(key) == new.get(key)
             for template, (n, same) in sorted(counts.items()):
                 print(f"{arch} {template}: {same} of {n} the same")
                 differ |= same < n
+            for template, n in sorted(added.items()):
+                print(f"{arch} {template}: {n} new (not in {args.base})")
     return 1 if differ else 0
 
 

@@ -68,6 +68,8 @@ def test_same_code_tells_a_changed_kernel_from_the_same(monkeypatch, capsys):
     same_code = _script("same_code")
     from cupyln import _compile
 
+    text = "template <int N> __global__ void norm_a(int n) {}"  # a kernel added since BASE
+    assert same_code.defined_in(text, ["norm_a<1>", "norm_ab<2>", "norm_b<3>"]) == ["norm_a<1>"]
     monkeypatch.setattr(same_code, "_git_reader", lambda rev: _compile._read)  # base: this tree
     args = ["BASE", "--arch", "compute_80", "--kernels", "norm_bwd_rowsums_merge"]
     assert same_code.main(args) == 0
