@@ -205,6 +205,7 @@ class DeviceInfo(NamedTuple):
     async_copy: bool  # cp.async (CUDA, compute capability 8.0 on): see CLN_ASYNC_COPY
     clusters: bool  # thread-block clusters (CUDA, compute capability 9.0 on): CLN_CLUSTERS
     hip: bool = False  # ROCm: its modules leave out the staged and cluster kernels
+    max_grid: tuple = (2**31 - 1, 65535, 65535)  # blocks a launch may have in x, y and z
 
 
 @functools.cache  # one entry per device
@@ -223,7 +224,21 @@ def device_info(dev_id):
         async_copy=cuda and int(dev.compute_capability) >= 80,
         clusters=cuda and int(dev.compute_capability) >= 90,
         hip=not cuda,
+        max_grid=(a.get("MaxGridDimX", 2**31 - 1), a.get("MaxGridDimY", 65535),
+                  a.get("MaxGridDimZ", 65535)),
     )
+
+
+def _within_grid(plan, info, pass_, N):
+    """``plan``, unless one of its launches needs more blocks than the device's grid allows (the
+    column tiles of rows tens of millions long): then ValueError, before any work."""
+    for name, launch in plan.launch.items():
+        if any(g > most for g, most in zip(launch.grid, info.max_grid, strict=False)):
+            raise ValueError(
+                f"the {pass_} of rows of {N} elements needs a grid of {launch.grid} blocks "
+                f"({name}), past this device's limit of {info.max_grid}: rows this long are "
+                f"not supported")
+    return plan
 
 
 def blocks_per_sm(kern, threads, smem, info):
@@ -372,7 +387,13 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
 def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None, peel=False):
     """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec);
     ``peel``: narrower vectors than 16 bytes whose rows start alike in x and y within 16 bytes
-    (the caller's check), so that their heads and tails can be peeled off."""
+    (the caller's check), so that their heads and tails can be peeled off. ValueError where
+    the plan's grid passes the device's limits."""
+    plan = _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
+    return _within_grid(plan, device_info(dev_id), "forward", N)
+
+
+def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
     info, cfg = device_info(dev_id), config.fwd
     peeled = _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N) if peel else None
     if peeled is not None:
@@ -649,7 +670,12 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
     """Backward geometry (``residual``: the fused add's kernels, dresidual added to dx; vec
     from add_vec; ``peel`` as plan_fwd's, x's, dy's and dx's rows alike). The grid depends only
     on (device, config, dtypes, M, N, vec), so the deterministic reduction order is the same
-    on every call."""
+    on every call. ValueError where the grid passes the device's limits."""
+    plan = _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel)
+    return _within_grid(plan, device_info(dev_id), "backward", N)
+
+
+def _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
     info, cfg = device_info(dev_id), config.bwd
     peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N) if peel else None
     if peeled is not None:

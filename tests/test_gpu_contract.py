@@ -142,6 +142,19 @@ def test_mixed_numpy_and_cupy_raise_type_error():
         cupyln.layer_norm_bwd(x, x, None, mean.get(), rstd)
 
 
+def test_rows_past_the_grid_limit_raise_before_any_work():
+    """A backward whose column tiles would need more blocks than the grid holds (rows of
+    33554433 float16 elements in narrow vectors: 65537 tiles) raises ValueError while
+    planning; the outputs given stay as they were. The forward of such a row runs."""
+    x = cp.ones((1, 2**25 + 1), F16)
+    y, mean, rstd = cupyln.layer_norm_fwd(x)
+    assert float(mean[0]) == 1.0
+    dx = cp.full_like(x, 7)
+    with pytest.raises(ValueError, match="rows of 33554433 elements"):
+        cupyln.layer_norm_bwd(x, x, None, mean, rstd, out=(dx, None, None))
+    assert bool((dx == 7).all())
+
+
 # --------------------------------------------------------------------------- fuzz
 
 

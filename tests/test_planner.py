@@ -863,6 +863,24 @@ def test_grid_buffers_hold_whole_steps_and_more_than_the_lag(fields):
     assert BwdConfig(grid_buffers=6, grid_step_rows=3, grid_lag=1).grid_step_rows == 3
 
 
+@pytest.mark.parametrize("pass_,dt,M,N,refused", [
+    ("bwd", "bfloat16", 1, 2**25 + 1, True),  # narrow vectors: 65537 tiles of 512 elements
+    ("bwd", "bfloat16", 1, 2**24 + 1, False), ("bwd", "float32", 3, 2**27, True),
+    ("bwd", "bfloat16", 1, 2**27, False), ("bwd", "float32", 2, 2**29, True),
+    ("fwd", "bfloat16", 1, 2**25 + 1, False), ("fwd", "float32", 3, 2**29, False)])
+def test_plans_past_the_grid_limit_are_refused(pass_, dt, M, N, refused):
+    """A plan one of whose launches needs more blocks than the device's grid holds in a
+    dimension (the backward's column tiles or row sums of rows tens of millions long) is a
+    ValueError naming the rows' length, raised while planning; the others stand, within it."""
+    if refused:
+        with pytest.raises(ValueError, match=f"rows of {N} elements needs a grid"):
+            _plan_without_gpu(pass_, dt, M, N, 32, peel=True)
+        return
+    plan, _ = _plan_without_gpu(pass_, dt, M, N, 32, peel=True)
+    for launch in plan.launch.values():
+        assert launch.grid[0] < 2**31 and max(launch.grid[1:], default=1) <= 65535
+
+
 def test_plan_caches_are_bounded():
     assert _plan.plan_fwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
     assert _plan.plan_bwd.cache_info().maxsize == _plan.PLAN_CACHE_SIZE
