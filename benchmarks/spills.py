@@ -7,8 +7,9 @@ Compiles the kernels the default config builds (those of the templates named by 
 default) to machine code with ``-Xptxas=-v`` and reads ptxas's report: registers, stack frame,
 spill stores and loads. Prints each kernel that spills (every kernel with --all), then per
 template how many kernels spill and the most bytes one stores. With --base, the same for the
-kernel sources at that git revision, and each kernel whose report differs, before and after: a
-kernel change that is meant to remove a spill shows it here before a GPU run.
+kernel sources at that git revision, and each kernel whose report differs, before and after
+(templates the revision lacks count as new): a kernel change that is meant to remove a spill
+shows it here before a GPU run.
 """
 
 import argparse
@@ -17,7 +18,7 @@ import concurrent.futures
 import re
 import sys
 
-from same_code import _git_reader, _template
+from same_code import _git_reader, _template, defined_in
 
 from cupyln import _compile
 from cupyln._plan import all_kernel_names
@@ -87,13 +88,15 @@ def main(argv=None):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         new = report(None, names, args.arch, pool)
         _summary(new, args.all)
-        if args.base:
-            base = report(_compile.translation_unit(_git_reader(args.base)), names, args.arch,
-                          pool)
-            changed = [n for n in names if base[n] != new[n]]
+        if args.base:  # the kernels BASE defines (a template added since is new)
+            text = _compile.translation_unit(_git_reader(args.base))
+            old = defined_in(text, names)
+            base = report(text, old, args.arch, pool)
+            changed = [n for n in old if base[n] != new[n]]
             for n in changed:
                 print(f"changed {n}:\n  {args.base}: {base[n]}\n  now: {new[n]}")
-            print(f"{len(changed)} of {len(names)} kernels' registers or spills changed")
+            print(f"{len(changed)} of {len(old)} kernels' registers or spills changed, "
+                  f"{len(names) - len(old)} new")
     return 0
 
 
