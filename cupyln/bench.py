@@ -234,7 +234,17 @@ def add_cases(op, x, dy, g, b, torch, liger, config=None):
     ("cupyln_unfused"; torch's add where torch is present: CuPy's bfloat16 add is slow), torch
     eager add then norm, and Liger's fused-add RMSNorm."""
     r, dr = x[::-1].copy(), dy[::-1].copy()  # residual and its gradient: other values
-    ln = op == "layernorm_add"
+    out = _cupyln_add_cases(op == "layernorm_add", x, r, dy, dr, g, b, torch, config)
+    if torch is not None:
+        t = [_to_torch(torch, a) for a in (x, r, dy, dr, g, b)]
+        out.update(_torch_add_cases(op == "layernorm_add", torch, *t))
+        if liger is not None and op == "rmsnorm_add":
+            out.update(_liger_add_cases(*t[:5]))
+    return out
+
+
+def _cupyln_add_cases(ln, x, r, dy, dr, g, b, torch, config):
+    """cupyln fused, and cupyln's norm beside a separate add."""
     fwd = cupyln.layer_norm_fwd if ln else cupyln.rms_norm_fwd
     bwd = cupyln.layer_norm_bwd if ln else cupyln.rms_norm_bwd
     par = (g, b) if ln else (g,)
@@ -259,40 +269,41 @@ def add_cases(op, x, dy, g, b, torch, liger, config=None):
         bwd(dy, h, g, *stats, out=(dxs, *none))
         add(dxs, dr, dxs)
 
-    out = {("cupyln", "fwd"): lambda: fwd(x, *par, residual=r, config=config),
-           ("cupyln", "bwd"): lambda: bwd(dy, h, g, *stats, dresidual=dr, config=config),
-           ("cupyln_unfused", "fwd"): unfused_fwd, ("cupyln_unfused", "bwd"): unfused_bwd}
-    if torch is None:
-        return out
-    N = x.shape[-1]
-    tx, tr, tdy, tdr, tg, tb = (_to_torch(torch, a) for a in (x, r, dy, dr, g, b))
+    return {("cupyln", "fwd"): lambda: fwd(x, *par, residual=r, config=config),
+            ("cupyln", "bwd"): lambda: bwd(dy, h, g, *stats, dresidual=dr, config=config),
+            ("cupyln_unfused", "fwd"): unfused_fwd, ("cupyln_unfused", "bwd"): unfused_bwd}
+
+
+def _torch_add_cases(ln, torch, tx, tr, tdy, tdr, tg, tb):
+    """torch eager: the add, then the norm; its backward plus the residual's gradient."""
+    N = tx.shape[-1]
     th = tx + tr
     if ln:
         lnf, lnb = torch.ops.aten.native_layer_norm, torch.ops.aten.native_layer_norm_backward
         _, tm, trs = lnf(th, [N], tg, tb, 1e-5)
-        out["torch", "fwd"] = lambda: lnf(tx + tr, [N], tg, tb, 1e-5)
-        out["torch", "bwd"] = lambda: lnb(tdy, th, [N], tm, trs, tg, tb,
-                                          [True, True, True])[0] + tdr
-        return out
+        return {("torch", "fwd"): lambda: lnf(tx + tr, [N], tg, tb, 1e-5),
+                ("torch", "bwd"): lambda: lnb(tdy, th, [N], tm, trs, tg, tb,
+                                              [True, True, True])[0] + tdr}
     F = torch.nn.functional
-    out["torch", "fwd"] = lambda: F.rms_norm(tx + tr, [N], tg, 1e-6)
     hr, gr = th.detach().requires_grad_(), tg.detach().requires_grad_()
     yr = F.rms_norm(hr, [N], gr, 1e-6)
-    out["torch", "bwd"] = lambda: torch.autograd.grad(yr, (hr, gr), tdy, retain_graph=True)[0] \
-        + tdr
-    if liger is not None:
-        try:
-            from liger_kernel.ops import fused_add_rms_norm as lf
+    return {("torch", "fwd"): lambda: F.rms_norm(tx + tr, [N], tg, 1e-6),
+            ("torch", "bwd"): lambda: torch.autograd.grad(yr, (hr, gr), tdy,
+                                                          retain_graph=True)[0] + tdr}
 
-            y, s_, rs, bs, nw, ns, cm = lf.fused_add_rms_norm_forward(tx, tr, tg, 1e-6, 0.0,
-                                                                      "llama")
-            out["liger", "fwd"] = lambda: lf.fused_add_rms_norm_forward(tx, tr, tg, 1e-6, 0.0,
-                                                                        "llama")
-            out["liger", "bwd"] = lambda: lf.fused_add_rms_norm_backward(
-                tdy, tdr, s_, tg, rs, 0.0, cm, bs, nw, ns, False, True)
-        except Exception:  # Liger refuses rows over 65536 elements: left out
-            pass
-    return out
+
+def _liger_add_cases(tx, tr, tdy, tdr, tg):
+    """Liger's fused-add RMSNorm; none where Liger refuses the shape (rows over 65536)."""
+    try:
+        from liger_kernel.ops import fused_add_rms_norm as lf
+
+        _, s_, rs, bs, nw, ns, cm = lf.fused_add_rms_norm_forward(tx, tr, tg, 1e-6, 0.0, "llama")
+    except Exception:
+        return {}
+    return {("liger", "fwd"): lambda: lf.fused_add_rms_norm_forward(tx, tr, tg, 1e-6, 0.0,
+                                                                    "llama"),
+            ("liger", "bwd"): lambda: lf.fused_add_rms_norm_backward(
+                tdy, tdr, s_, tg, rs, 0.0, cm, bs, nw, ns, False, True)}
 
 
 # ----------------------------------------------------------------------------- modules
