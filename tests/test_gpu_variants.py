@@ -90,6 +90,41 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         assert cp.array_equal(a, b) or (i > 0 and not same_order), i
 
 
+def backward_case(op, M, N, dt, wdt, plans):
+    """(x, bwd, check) of one backward case: ``bwd(deterministic, params)`` calls cupyln's
+    backward under ``plans``' config as it is at the call (dgamma/dbeta asked for or not), ``check(outs, params, dx)``
+    compares its outputs with the reference (dx where asked; no dgamma/dbeta where not asked
+    for)."""
+    xh, dyh, gh, _ = inputs(M, N, dt, wdt)
+    x, dy, g = (cp.asarray(a) for a in (xh, dyh, gh))
+    if op == "ln":
+        _, mean, rstd = cupyln.layer_norm_fwd(x, g)
+        want = ref.layer_norm_bwd(dyh, xh, gh, mean.get(), rstd.get())
+    else:
+        mean, (_, rstd) = None, cupyln.rms_norm_fwd(x, g)
+        want = ref.rms_norm_bwd(dyh, xh, gh, rstd.get())
+    floor = dx_floor(dyh, gh, rstd)
+
+    def bwd(deterministic, params=True):
+        kw = {"deterministic": deterministic, "need_dgamma": params,
+              "config": plans.config}
+        if op == "ln":
+            return cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dbeta=params, **kw)
+        return cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
+
+    def check(outs, params=True, dx=True):
+        if dx:
+            assert_close(outs[0], want[0], "dx", floor)
+        for out, w, name in zip(outs[1:], want[1:], ("dgamma", "dbeta")[:len(want) - 1],
+                                strict=True):
+            if params:
+                assert_close(out, w, name)
+            else:
+                assert out is None, name
+
+    return x, bwd, check
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,meant", [
     (6000, 1024, F16, F32, "bwd_staged"), (20001, 1000, BF16, BF16, "bwd_staged"),
@@ -110,33 +145,8 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
     column tiles (in clusters on sm_90): static rows."""
     from cupyln import _plan
 
-    xh, dyh, gh, _ = inputs(M, N, dt, wdt)
-    x, dy, g = (cp.asarray(a) for a in (xh, dyh, gh))
+    x, bwd, check = backward_case(op, M, N, dt, wdt, plans)
     warp = _plan.device_info(x.device.id).warp
-    if op == "ln":
-        _, mean, rstd = cupyln.layer_norm_fwd(x, g)
-        want = ref.layer_norm_bwd(dyh, xh, gh, mean.get(), rstd.get())
-    else:
-        mean, (_, rstd) = None, cupyln.rms_norm_fwd(x, g)
-        want = ref.rms_norm_bwd(dyh, xh, gh, rstd.get())
-    floor = dx_floor(dyh, gh, rstd)
-
-    def bwd(deterministic, params=True):
-        kw = {"deterministic": deterministic, "need_dgamma": params, "config": plans.config}
-        if op == "ln":
-            return cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dbeta=params, **kw)
-        return cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
-
-    def check(outs, params=True, dx=True):
-        if dx:
-            assert_close(outs[0], want[0], "dx", floor)
-        for out, w, name in zip(outs[1:], want[1:], ("dgamma", "dbeta")[:len(want) - 1],
-                                strict=True):
-            if params:
-                assert_close(out, w, name)
-            else:
-                assert out is None, name
-
     plans.spy("bwd")
     dxs, det, grids = {}, {}, {}
     for on in (True, False):
