@@ -367,6 +367,8 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp,
                    2 * info.sms)
+    if not g.fits and cfg.peel_chunked:
+        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
@@ -381,6 +383,18 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
         main, (smem, grid) = "fwd_peeled_staged", staged
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M):
+    """Peeled rows past one block of 8 vectors per thread, in chunks read twice: one row per
+    block of ``tpr_max`` threads, the blocks looping over the rows."""
+    cfg = config.fwd
+    spec = Spec(dtype, wdtype, is_ln, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
+                peeled=True)
+    kern = _compile.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
+    grid, block = (min(M, info.sms * cfg.grid_per_sm),), (cfg.tpr_max, 1)
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, "fwd_peeled_chunked", kern, grid, block, 0, launch)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
