@@ -295,6 +295,13 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
 // row's middle copied ahead (cp.async) into one of two buffers of [NPT][threads] packs in
 // dynamic shared memory, so that its loads overlap this row's reductions and stores; each pass
 // reads the row from its buffer (SmemRow), no registers held for it.
+// A peeled row's vectors as norm_fwd_peeled keeps them: float16 packed at 8 vectors per thread,
+// whose 64 floats alone are the launch bound's registers (ptxas: 420 bytes spilled, 58 packed).
+template <typename T, int VEC, int NPT> struct PeeledVec {
+  typedef typename RowVec<T, VEC>::type type;
+};
+template <int VEC> struct PeeledVec<cl_half, VEC, 8> { typedef Pack<cl_half, VEC> type; };
+
 template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
           bool STAGE = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
@@ -304,7 +311,7 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   const int t = threadIdx.x;
-  typename RowVec<T, VEC>::type p[NPT];
+  typename PeeledVec<T, VEC, NPT>::type p[NPT];
   typedef Pack<T, VEC> P;
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY;
   extern __shared__ __align__(16) unsigned char cl_smem[];

@@ -702,6 +702,19 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
             not any(v.startswith("fwd_peeled") for v in variants), variants
 
 
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("dt,wdt", [(F16, F16), (F16, F32), (BF16, BF16)])
+def test_peeled_rows_of_8_vectors_per_thread(plans, op, dt, wdt):
+    """Odd rows that one block holds only at 8 vectors per thread (57345 to 65536 16-bit
+    elements), where no staged buffer pair fits: the peeled kernel holds them in registers
+    (float16 packed), here for few rows (``peel_parts_rows=0``), as the planner runs it for
+    more than 4 rows per multiprocessor."""
+    plans.spy("fwd")
+    plans.replan(fwd_peel_parts_rows=0)
+    check_case(op, *inputs(40, 60001, dt, wdt), config=plans.config)
+    assert [(p.variant, p.spec.npt) for p in plans] == [("fwd_peeled", 8)]
+
+
 @st.composite
 def _long_rows(draw):
     """Rows of 2049 to 70001 elements, odd or not, few or many (at most 2^22 elements in
