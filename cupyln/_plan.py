@@ -364,8 +364,9 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True)
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
                            N // vec * vec, _FWD_ARGS)
-    if not g.fits:
-        g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp,
+    if not g.fits and cfg.peel_block_npt > cfg.npt:
+        most = cfg.peel_block_npt
+        g = spread(row_geometry(N // vec, wp, most, most, cfg.tpr_max, cfg.block), M, wp,
                    2 * info.sms)
     if not g.fits and cfg.peel_chunked:
         return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)

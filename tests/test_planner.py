@@ -452,12 +452,15 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
 
 def test_peeled_chunks_are_a_switch():
     """``peel_chunked=False``: many peeled rows past one block of 8 vectors per thread run
-    narrow vectors over the whole row, as before the chunked kernel."""
+    narrow vectors over the whole row, as before the chunked kernel; ``peel_block_npt=4``: rows
+    past 4 vectors per thread go in chunks too."""
     off = Config(fwd=FwdConfig(peel_chunked=False))
-    for config, variant, vec in ((DEFAULT, "fwd_peeled_chunked", 8), (off, "fwd_chunked", 1)):
-        plan, _ = _plan_without_gpu("fwd", "bfloat16", 1024, 131071, 32, peel=True,
-                                    config=config)
-        assert (plan.variant, plan.spec.vec) == (variant, vec)
+    four = Config(fwd=FwdConfig(peel_block_npt=4))
+    for config, N, variant, vec, npt in (
+            (DEFAULT, 131071, "fwd_peeled_chunked", 8, FWD.npt), (off, 131071, "fwd_chunked", 1, 4),
+            (DEFAULT, 60001, "fwd_peeled", 8, 8), (four, 60001, "fwd_peeled_chunked", 8, FWD.npt)):
+        plan, _ = _plan_without_gpu("fwd", "bfloat16", 2048, N, 32, peel=True, config=config)
+        assert (plan.variant, plan.spec.vec, plan.spec.npt) == (variant, vec, npt)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
