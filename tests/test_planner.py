@@ -119,6 +119,7 @@ class _FakeKernel:
     name expression."""
 
     num_regs, shared_size_bytes, max_dynamic_shared_size_bytes = 64, 0, 48 * 1024
+    local_size_bytes = 0
 
     def __init__(self, name):
         self.name = name
@@ -452,15 +453,23 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
 
 def test_peeled_chunks_are_a_switch():
     """``peel_chunked=False``: many peeled rows past one block of 8 vectors per thread run
-    narrow vectors over the whole row, as before the chunked kernel; ``peel_block_npt=4``: rows
-    past 4 vectors per thread go in chunks too."""
-    off = Config(fwd=FwdConfig(peel_chunked=False))
-    four = Config(fwd=FwdConfig(peel_block_npt=4))
-    for config, N, variant, vec, npt in (
-            (DEFAULT, 131071, "fwd_peeled_chunked", 8, FWD.npt), (off, 131071, "fwd_chunked", 1, 4),
-            (DEFAULT, 60001, "fwd_peeled", 8, 8), (four, 60001, "fwd_peeled_chunked", 8, FWD.npt)):
-        plan, _ = _plan_without_gpu("fwd", "bfloat16", 2048, N, 32, peel=True, config=config)
-        assert (plan.variant, plan.spec.vec, plan.spec.npt) == (variant, vec, npt)
+    narrow vectors over the whole row, as before the chunked kernel. Rows of more than ``npt``
+    vectors per thread of one unstaged block go in chunks where that block's kernel keeps more
+    than ``peel_block_spill`` bytes in local memory, and stay in it where it keeps no more or
+    where they are staged."""
+    from unittest import mock
+
+    off, spill = Config(fwd=FwdConfig(peel_chunked=False)), FWD.peel_block_spill
+    for config, M, N, local, variant, vec, npt in (
+            (DEFAULT, 2048, 131071, 0, "fwd_peeled_chunked", 8, FWD.npt),
+            (off, 2048, 131071, 0, "fwd_chunked", 1, 4),
+            (DEFAULT, 2048, 60001, spill, "fwd_peeled", 8, 8),
+            (DEFAULT, 2048, 60001, spill + 1, "fwd_peeled_chunked", 8, FWD.npt),
+            (off, 2048, 60001, 152, "fwd_peeled", 8, 8),
+            (DEFAULT, 2670, 50257, 152, "fwd_peeled_staged", 8, 8)):
+        with mock.patch.object(_FakeKernel, "local_size_bytes", local):
+            plan, _ = _plan_without_gpu("fwd", "bfloat16", M, N, 32, peel=True, config=config)
+        assert (plan.variant, plan.spec.vec, plan.spec.npt) == (variant, vec, npt), (M, N, local)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
