@@ -36,6 +36,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 150, 3583, "bfloat16", "float32"),  # gamma and beta; more rows: late
     ("layernorm", 140, 20001, "float16", None),      # peeled rows staged (looping blocks)
     ("rmsnorm", 5, 50257, "bfloat16", "float32"),    # (8 vectors per thread)
+    ("layernorm", 3, 70001, "float16", None),        # peeled rows in parts, or in chunks
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
@@ -76,8 +77,9 @@ for op, M, N, dt, wdt in CASES:
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
         # (forward; backward row sums), or without csum not
         parts = 2.0 if csum else 0
-        # rows held in a cluster's shared memory for any M, without csum in short rings
-        resident = {} if csum else dict(resident_rows=0, resident_slots=9)
+        # rows held in a cluster's shared memory for any M, without csum in short rings, and
+        # peeled rows past one block of 4 vectors per thread not in parts: 8 vectors or chunks
+        resident = {} if csum else dict(resident_rows=0, resident_slots=9, peel_parts_rows=0)
         config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0,
                                       **resident),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,

@@ -76,9 +76,9 @@ class Spec(NamedTuple):
 
     def names(self, pass_):
         """The name expression of each kernel of one pass: 'fwd', 'fwd_long' (peeled rows in
-        parts over the grid), 'bwd' (rows within a block; with ``tiles`` > 1 the kernel of a
-        grid of one cluster alone) or 'bwd_long' (longer rows). Template arguments are the
-        named constants of kernels/common.cuh (cln::)."""
+        parts over the grid or in chunks), 'bwd' (rows within a block; with ``tiles`` > 1 the
+        kernel of a grid of one cluster alone) or 'bwd_long' (longer rows). Template arguments
+        are the named constants of kernels/common.cuh (cln::)."""
         if pass_ == "fwd":
             return self._fwd_names()
         if pass_ == "fwd_long":
@@ -119,10 +119,12 @@ class Spec(NamedTuple):
         return names
 
     def _fwd_peeled_parts_names(self):
-        """Peeled rows longer than one block, in parts over the grid."""
+        """Peeled rows longer than one block, in parts over the grid, or (more rows) in chunks."""
         base = self._vec_warp()
+        t, w, op = self._types()
         return {"fwd_parts": f"norm_fwd_parts<{base}, cln::part_stats, cln::peeled>",
-                "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>"}
+                "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>",
+                "fwd_peeled_chunked": f"norm_fwd_peeled_chunked<{t}, {w}, {op}, {self.warp}>"}
 
     def _fwd_cluster_names(self):
         """Rows split over a cluster, in one chunk (longer ones: in parts)."""

@@ -117,6 +117,15 @@ class FwdConfig:
     # one block of 8 vectors per thread, 1x50257 bf16 11.6 / 19.4; more rows keep the block,
     # whose waves fill the GPU (1000x20001 f32 74.1 / 106.7, LN 2670x50257 bf16 380 / 413).
     peel_parts_rows: float = 4.0
+    # Peeled rows past one block of 8 vectors per thread, more than parts take: the middle in
+    # chunks of 16-byte vectors, read twice (norm_fwd_peeled_chunked), against narrow vectors
+    # over the whole row (False: norm_fwd_chunked, one element a vector): LN 1024x131071 bf16
+    # 305.5 against 718.3 us, RMS 236.6 / 524.3.
+    peel_chunked: bool = True
+    # Chunks also where one unstaged block of 8 vectors per thread would keep more than this many
+    # bytes in local memory (16-bit rows: 64-176 B; float32 8): LN 2048x65535 bf16 303.9
+    # against 387.4 us in that block, 2048x60001 f16 285.3 / 333.0.
+    peel_block_spill: int = 16
     # Peeled rows of one vector per thread, at most sms * peel_early_rows of them (too few to
     # fill the GPU: each memory trip waits), read gamma and beta with the row instead of after
     # its reductions: LN 8x3583 f16 5.98 against 6.46 us, 132x3583 bf16 6.43 / 6.83, 100x1001

@@ -354,7 +354,9 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     """Rows whose heads and tails are peeled off 16-byte vectors: the general geometry of their
     16-byte vectors, in one chunk of at least 2 * VEC threads (one per peeled element); rows
     longer than one chunk in parts over the grid where they are at most ``sms *
-    peel_parts_rows``, else at 8 vectors per thread; None elsewhere (narrow vectors then)."""
+    peel_parts_rows``, else at 8 vectors per thread (staged where the rows outnumber the
+    resident blocks), or in chunks where 8 do not hold the row or their unstaged block spills;
+    None elsewhere (narrow vectors then)."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
@@ -365,8 +367,9 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
                            N // vec * vec, _FWD_ARGS)
     if not g.fits:
-        g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp,
-                   2 * info.sms)
+        g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp, 2 * info.sms)
+    if not g.fits and cfg.peel_chunked:
+        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
@@ -379,8 +382,24 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
                                                       dtype, vec, g, M)
     if staged:
         main, (smem, grid) = "fwd_peeled_staged", staged
+    elif (cfg.peel_chunked and g.npt > cfg.npt
+          and kerns[main].local_size_bytes > cfg.peel_block_spill):
+        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M):
+    """Peeled rows past one block of 8 vectors per thread (or of more than ``npt`` where that
+    block spills), in chunks read twice: one row per block of ``tpr_max`` threads, the blocks
+    looping over the rows."""
+    cfg = config.fwd
+    spec = Spec(dtype, wdtype, is_ln, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
+                peeled=True)
+    kern = _compile.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
+    grid, block = (min(M, info.sms * cfg.grid_per_sm),), (cfg.tpr_max, 1)
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, "fwd_peeled_chunked", kern, grid, block, 0, launch)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

@@ -295,6 +295,13 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
 // row's middle copied ahead (cp.async) into one of two buffers of [NPT][threads] packs in
 // dynamic shared memory, so that its loads overlap this row's reductions and stores; each pass
 // reads the row from its buffer (SmemRow), no registers held for it.
+// A peeled row's vectors as norm_fwd_peeled keeps them: float16 packed at 8 vectors per thread,
+// whose 64 floats alone are the launch bound's registers (ptxas: 420 bytes spilled, 58 packed).
+template <typename T, int VEC, int NPT> struct PeeledVec {
+  typedef typename RowVec<T, VEC>::type type;
+};
+template <int VEC> struct PeeledVec<cl_half, VEC, 8> { typedef Pack<cl_half, VEC> type; };
+
 template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
           bool STAGE = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
@@ -304,7 +311,7 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   const int t = threadIdx.x;
-  typename RowVec<T, VEC>::type p[NPT];
+  typename PeeledVec<T, VEC, NPT>::type p[NPT];
   typedef Pack<T, VEC> P;
   constexpr bool STAGED = STAGE && CLN_ASYNC_COPY;
   extern __shared__ __align__(16) unsigned char cl_smem[];
@@ -391,6 +398,54 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   }
   // the copies past the last row (zero fills) land before the block exits
   if constexpr (STAGED) async_wait<0>();
+}
+
+// Peeled rows longer than one block of 8 vectors per thread, more of them than parts over the
+// grid take (the planner's choice where narrow vectors would otherwise run the whole row): each
+// row's head and tail peeled as norm_fwd_peeled's, its middle read in chunks of NPT 16-byte
+// vectors per thread twice, as norm_fwd_chunked reads rows whose vectors fit: each chunk's
+// statistics (chunk 0's with the peeled elements) merged by Chan's formula, then y (the second
+// read mostly from L2). One row per block; blockDim.x >= 2 * VEC.
+template <typename T, typename W, bool LN, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd_peeled_chunked(CLN_FWD_PARAMS) {
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T), NPT = 4;
+  const int t = threadIdx.x;
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
+  const C inv_n = cl_inv_count(C(0), N);
+  typename RowVec<T, VEC>::type p[NPT];
+  int phase = 0;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x) {
+    const T* xr = x + row * ldx;
+    const int head = peel_head(xr);
+    const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
+    const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);  // as norm_fwd_peeled's
+    const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
+    const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    const int chunks = (int)((mid + chunk - 1) / chunk);
+    C n = C(0), mean = C(0), m2 = C(0);
+    for (int c = 0; c < chunks; ++c, ++phase) {
+      const cl_i64 c0 = c * chunk, left = mid - c0;
+      const C cnt = (C)((left < chunk ? left : chunk) + (c == 0 ? N - mid : 0));
+      load_row<VEC, NPT>(xr + head, c0, mid, true, p);
+      C cn = C(0), cmean = C(0), cm2 = C(0);
+      chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(
+          p, c0, c0, mid, chunk, phase, C(1) / cnt, cn, cmean, cm2, ex, has_e && c == 0);
+      if (LN) chan_merge(n, mean, m2, cnt, cmean, cm2);
+      else m2 += cm2;
+    }
+    const C mu = LN ? mean : C(0);
+    const C rstd = cl_rsqrt(m2 * inv_n + eps);
+    if (t == 0) {
+      if (LN) mean_out[row] = (float)mu;
+      rstd_out[row] = (float)rstd;
+    }
+    for (int c = 0; c < chunks; ++c) {
+      load_row<VEC, NPT>(xr + head, c * chunk, mid, true, p);
+      write_peeled<VEC, NPT>(p, c * chunk, mid, head, ex, ec, has_e && c == 0, mu, rstd, gamma,
+                             beta, y + row * N);
+    }
+  }
 }
 
 // The fused residual add (fwd_rows' ADD), h in H: rows of one chunk, NPT vectors per thread,

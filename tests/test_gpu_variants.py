@@ -693,6 +693,38 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
         plans.monkeypatch.undo()
 
 
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,extra", [
+    (40, 70001, BF16, BF16, 0), (9, 131071, F16, F32, 8), (30, 40001, F32, F32, 0),
+    (5, 65537, F64, F64, 0), (3, 1048575, BF16, F32, 0)])
+def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
+    """Peeled rows past one block of 8 vectors per thread, their middles read in chunks twice
+    (here for few rows: ``peel_parts_rows=0``), against the reference, rows of longer strides
+    included; ``peel_chunked=False``: narrow vectors over the row, the same results."""
+    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    case = inputs(M, N, dt, wdt)
+    plans.spy("fwd")
+    for chunked in (True, False):
+        plans.replan(fwd_peel_parts_rows=0, fwd_peel_chunked=chunked)
+        check_case(op, *case, layout=layout, config=plans.config)
+        variants = {p.variant for p in plans}
+        assert variants == {"fwd_peeled_chunked"} if chunked else \
+            not any(v.startswith("fwd_peeled") for v in variants), variants
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("dt,wdt", [(F16, F16), (F16, F32), (BF16, BF16)])
+def test_peeled_rows_of_8_vectors_per_thread(plans, op, dt, wdt):
+    """Odd rows that one block holds only at 8 vectors per thread (57345 to 65536 16-bit
+    elements), where no staged buffer pair fits: the peeled kernel holds them in registers
+    (float16 packed), here for few rows (``peel_parts_rows=0``), as the planner runs it for
+    more than 4 rows per multiprocessor."""
+    plans.spy("fwd")
+    plans.replan(fwd_peel_parts_rows=0)
+    check_case(op, *inputs(40, 60001, dt, wdt), config=plans.config)
+    assert [(p.variant, p.spec.npt) for p in plans] == [("fwd_peeled", 8)]
+
+
 @st.composite
 def _long_rows(draw):
     """Rows of 2049 to 70001 elements, odd or not, few or many (at most 2^22 elements in

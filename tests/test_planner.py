@@ -119,6 +119,7 @@ class _FakeKernel:
     name expression."""
 
     num_regs, shared_size_bytes, max_dynamic_shared_size_bytes = 64, 0, 48 * 1024
+    local_size_bytes = 0
 
     def __init__(self, name):
         self.name = name
@@ -374,7 +375,7 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
     plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
     wide = 16 // _dtype(dt).itemsize
     peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_staged",
-                              "fwd_peeled_parts")
+                              "fwd_peeled_parts", "fwd_peeled_chunked")
     if N % wide == 0 or N < 2 * wide or N // wide > most:
         assert not peeled
     elif sure:
@@ -397,6 +398,8 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
 @example("bfloat16", 1, 50257, 64, True)
 @example("float32", 1000, 20001, 32, False)
 @example("float16", 300, 50257, 32, False)
+@example("bfloat16", 1024, 131071, 32, False)
+@example("float32", 2048, 65535, 64, True)
 def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     """Rows on which 16-byte vectors do not fit, given as peelable, take the peeled kernels (on
     any device) wherever one chunk of 16-byte vectors, at most 8 per thread, holds the row
@@ -409,11 +412,11 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     chunk of
     ``npt`` vectors go in parts over the grid where they are at most ``sms *
     peel_parts_rows``, whose blocks of whole warps cover the row's vectors, one row of parts
-    per row."""
+    per row; more rows longer than 8 vectors per thread of one block in chunks, one row per
+    block of ``tpr_max`` threads."""
     wide = 16 // _dtype(dt).itemsize
     in_parts = M <= 132 * FWD.peel_parts_rows
-    most = N if in_parts else 8 * FWD.tpr_max  # (rows in parts: any length)
-    plan, built = _peeled_plan("fwd", dt, M, N, warp, hip, most, N // wide >= 8 * wide)
+    plan, built = _peeled_plan("fwd", dt, M, N, warp, hip, N, N // wide >= 8 * wide)
     if plan is None:
         return
     s, nvec = plan.spec, N // wide
@@ -425,6 +428,12 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
         assert rows == M and one == 1 and tpr % warp == 0 and 2 * wide <= tpr <= FWD.tpr_max
         assert s.npt == FWD.npt and (parts - 1) * tpr * s.npt < nvec <= parts * tpr * s.npt
         assert set(plan.launch) == {"fwd_parts", "fwd"}
+        return
+    chunked = not in_parts and nvec > 8 * FWD.tpr_max
+    assert (plan.variant == "fwd_peeled_chunked") == chunked, plan.variant
+    if chunked:
+        assert plan.grid == (min(M, 132 * FWD.grid_per_sm),) and plan.block == (FWD.tpr_max, 1)
+        assert set(plan.launch) == {"fwd"} and plan.smem == 0 and s.peeled and s.vec == wide
         return
     (grid,), (tpr, rpb) = plan.grid, plan.block
     early = s.npt == 1 and M <= 132 * FWD.peel_early_rows
@@ -440,6 +449,27 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     assert tpr % warp == 0 or (tpr < warp and warp % tpr == 0)
     assert grid == resident if staged else grid * rpb >= M or grid == 132 * FWD.grid_per_sm
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+
+
+def test_peeled_chunks_are_a_switch():
+    """``peel_chunked=False``: many peeled rows past one block of 8 vectors per thread run
+    narrow vectors over the whole row, as before the chunked kernel. Rows of more than ``npt``
+    vectors per thread of one unstaged block go in chunks where that block's kernel keeps more
+    than ``peel_block_spill`` bytes in local memory, and stay in it where it keeps no more or
+    where they are staged."""
+    from unittest import mock
+
+    off, spill = Config(fwd=FwdConfig(peel_chunked=False)), FWD.peel_block_spill
+    for config, M, N, local, variant, vec, npt in (
+            (DEFAULT, 2048, 131071, 0, "fwd_peeled_chunked", 8, FWD.npt),
+            (off, 2048, 131071, 0, "fwd_chunked", 1, 4),
+            (DEFAULT, 2048, 60001, spill, "fwd_peeled", 8, 8),
+            (DEFAULT, 2048, 60001, spill + 1, "fwd_peeled_chunked", 8, FWD.npt),
+            (off, 2048, 60001, 152, "fwd_peeled", 8, 8),
+            (DEFAULT, 2670, 50257, 152, "fwd_peeled_staged", 8, 8)):
+        with mock.patch.object(_FakeKernel, "local_size_bytes", local):
+            plan, _ = _plan_without_gpu("fwd", "bfloat16", M, N, 32, peel=True, config=config)
+        assert (plan.variant, plan.spec.vec, plan.spec.npt) == (variant, vec, npt), (M, N, local)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
