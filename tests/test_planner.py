@@ -139,12 +139,14 @@ def _fake_resident_blocks(kern, threads, smem):
 
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
-                      hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16):
+                      hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16,
+                      most_smem=None):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
     and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable; ``is_ln``
-    False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places."""
+    False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places,
+    ``most_smem`` (if given) the most dynamic shared memory of a block in a cluster."""
     from unittest import mock
 
     dtype = _dtype(dt)
@@ -160,7 +162,8 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     with mock.patch.object(_plan, "device_info", lambda dev: info), \
             mock.patch.object(_plan._compile, "kernels", kernels), \
             mock.patch.object(_plan._driver, "max_active_clusters",
-                              lambda k, cl, *a: int(cl[0] * cl[1] <= most_blocks)), \
+                              lambda k, cl, block, smem: int(cl[0] * cl[1] <= most_blocks and (
+                                  most_smem is None or smem <= most_smem))), \
             mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
             mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
@@ -849,6 +852,20 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
         assert not fits or (plan.grid, plan.smem) == ((groups, columns), smem)
     else:
         assert plan.variant != "bwd_grid"
+
+
+@pytest.mark.parametrize("dt,N", [("bfloat16", 1 << 18), ("float16", 140000), ("float32", 1 << 17)])
+def test_fused_add_resident_backward_stages_dresidual_where_it_fits(dt, N):
+    """The fused add's backward on the resident tiles gives each block one buffer more (of
+    dresidual, which the kernel then stages) where as many clusters fit with it; where fewer
+    do, the plain backward's shared memory (the kernel reads dresidual from L2)."""
+    plain, _ = _plan_without_gpu("bwd", dt, 64, N, 32)
+    assert plain.variant == "bwd_resident"
+    staged, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True)
+    assert (staged.variant, staged.grid, staged.block) == (plain.variant, plain.grid, plain.block)
+    assert staged.smem == plain.smem + BWD.resident_npt * plain.block[0] * 16
+    from_l2, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True, most_smem=plain.smem)
+    assert (from_l2.variant, from_l2.smem) == ("bwd_resident", plain.smem)
 
 
 @pytest.mark.parametrize("fields", [
