@@ -63,11 +63,11 @@ def max_active_clusters(kern, cluster, block, smem):
         fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
     except (OSError, AttributeError):
         return 0
+    allow_smem(kern, smem)
     try:
-        allow_smem(kern, smem)
         allow_cluster(kern, cluster[0] * cluster[1])
     except _drv.CUDADriverError:
-        return 0  # more shared memory than a block may have, or no larger cluster's opt-in
+        return 0  # a driver without the opt-in runs no larger cluster
     cfg = _LaunchConfig((*cluster, 1), (*block, 1, 1)[:3], smem, None, None, 0)
     n = ctypes.c_int(0)
     err = fn(ctypes.byref(n), ctypes.c_void_p(kern.kernel.ptr), ctypes.byref(cfg))

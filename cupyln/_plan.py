@@ -202,6 +202,7 @@ class DeviceInfo(NamedTuple):
     threads_per_sm: int
     regs_per_sm: int
     smem_per_sm: int
+    smem_per_block: int  # dynamic + static shared memory a block may opt into
     async_copy: bool  # cp.async (CUDA, compute capability 8.0 on): see CLN_ASYNC_COPY
     clusters: bool  # thread-block clusters (CUDA, compute capability 9.0 on): CLN_CLUSTERS
     hip: bool = False  # ROCm: its modules leave out the staged and cluster kernels
@@ -221,6 +222,7 @@ def device_info(dev_id):
         threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
+        smem_per_block=a.get("MaxSharedMemoryPerBlockOptin", 49152),
         async_copy=cuda and int(dev.compute_capability) >= 80,
         clusters=cuda and int(dev.compute_capability) >= 90,
         hip=not cuda,
@@ -778,8 +780,9 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     if not fit or M < cfg.resident_rows * fit:
         return None
     dres = smem + npt * tpr * 16  # one buffer of dresidual: the kernel stages it given the room
-    if residual and _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1),
-                                                dres) == fit:
+    kern = kerns["bwd_resident"]
+    if (residual and dres + kern.shared_size_bytes <= info.smem_per_block
+            and _driver.max_active_clusters(kern, (1, tiles), (tpr, 1), dres) == fit):
         smem = dres
     return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_resident", (min(M, fit), tiles), tpr,
                                    smem, N)

@@ -146,12 +146,12 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
     and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable; ``is_ln``
     False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places,
-    ``most_smem`` (if given) the most dynamic shared memory of a block in a cluster."""
+    ``most_smem`` (if given) the most shared memory a block may have (else the H200's)."""
     from unittest import mock
 
     dtype = _dtype(dt)
-    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, not hip, clusters and not hip,
-                            hip)
+    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, most_smem or 227 * 1024,
+                            not hip, clusters and not hip, hip)
     built = {}
 
     def kernels(spec, p, text=None):
@@ -162,8 +162,7 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     with mock.patch.object(_plan, "device_info", lambda dev: info), \
             mock.patch.object(_plan._compile, "kernels", kernels), \
             mock.patch.object(_plan._driver, "max_active_clusters",
-                              lambda k, cl, block, smem: int(cl[0] * cl[1] <= most_blocks and (
-                                  most_smem is None or smem <= most_smem))), \
+                              lambda k, cl, *a: int(cl[0] * cl[1] <= most_blocks)), \
             mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
             mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
@@ -857,8 +856,8 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
 @pytest.mark.parametrize("dt,N", [("bfloat16", 1 << 18), ("float16", 140000), ("float32", 1 << 17)])
 def test_fused_add_resident_backward_stages_dresidual_where_it_fits(dt, N):
     """The fused add's backward on the resident tiles gives each block one buffer more (of
-    dresidual, which the kernel then stages) where as many clusters fit with it; where fewer
-    do, the plain backward's shared memory (the kernel reads dresidual from L2)."""
+    dresidual, which the kernel then stages) where a block may have it and as many clusters fit
+    with it; elsewhere the plain backward's shared memory (the kernel reads dresidual from L2)."""
     plain, _ = _plan_without_gpu("bwd", dt, 64, N, 32)
     assert plain.variant == "bwd_resident"
     staged, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True)
