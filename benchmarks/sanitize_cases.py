@@ -47,6 +47,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 31, 300008, "float16", "float32"),   # (16 or 8 blocks, rings of 9 or 16 slots)
     ("layernorm", 16, 140000, "float16", None),      # backward rows in a cluster's shared
     ("rmsnorm", 20, 131072, "float32", "float32"),   # memory (16 tiles of 576 or 1024 threads)
+    ("layernorm", 16, 262144, "bfloat16", "float32"),  # (fused: dresidual there staged, here
+                                                       # read from L2: float32 gamma's room)
     ("layernorm", 100, 140000, "float32", None),     # backward over a cooperative grid, 4
                                                      # rows of tiles (fewer rows: 3x300000)
     ("layernorm", 40, 16384, "bfloat16", "float32"),

@@ -202,6 +202,7 @@ class DeviceInfo(NamedTuple):
     threads_per_sm: int
     regs_per_sm: int
     smem_per_sm: int
+    smem_per_block: int  # dynamic + static shared memory a block may opt into
     async_copy: bool  # cp.async (CUDA, compute capability 8.0 on): see CLN_ASYNC_COPY
     clusters: bool  # thread-block clusters (CUDA, compute capability 9.0 on): CLN_CLUSTERS
     hip: bool = False  # ROCm: its modules leave out the staged and cluster kernels
@@ -221,6 +222,7 @@ def device_info(dev_id):
         threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
         regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
         smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
+        smem_per_block=a.get("MaxSharedMemoryPerBlockOptin", 49152),
         async_copy=cuda and int(dev.compute_capability) >= 80,
         clusters=cuda and int(dev.compute_capability) >= 90,
         hip=not cuda,
@@ -777,9 +779,9 @@ def _takes_tickets(cfg: BwdConfig, kerns, main, block, tiles, M, warp):
 def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False):
     """Rows longer than the register tiles' clusters of ``cluster_tiles_long`` blocks hold
     (16-byte vectors, sm_90), in that many column tiles of ``resident_npt`` vectors per thread
-    that keep x and dy in shared memory (the fused add's dresidual read from L2), at least
-    ``resident_rows`` rows per cluster that fits at once; None elsewhere (row sums and
-    tiles)."""
+    that keep x and dy in shared memory (the fused add's dresidual too where as many clusters
+    fit with it, else read from L2), at least ``resident_rows`` rows per cluster that fits at
+    once; None elsewhere (row sums and tiles)."""
     cfg = config.bwd
     npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
     if not (npt and tiles > 1 and info.clusters and info.async_copy and cfg.cluster
@@ -796,6 +798,11 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
     if not fit or M < cfg.resident_rows * fit:
         return None
+    dres = smem + npt * tpr * 16  # one buffer of dresidual: the kernel stages it given the room
+    kern = kerns["bwd_resident"]
+    if (residual and dres + kern.shared_size_bytes <= info.smem_per_block
+            and _driver.max_active_clusters(kern, (1, tiles), (tpr, 1), dres) == fit):
+        smem = dres
     return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_resident", (min(M, fit), tiles), tpr,
                                    smem, N)
 

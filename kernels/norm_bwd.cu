@@ -637,9 +637,10 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
 // second of two buffers, gamma staged once per thread. Both passes over a row (its sums with
 // dgamma/dbeta, then dx) read it from shared memory, so that registers hold little more than
 // the dgamma/dbeta sums; x and dy are read from memory once. Each thread reads only the slots
-// it copied: no barrier. ADD: the fused residual add's dres added to dx, read from L2 (a third
-// staged array does not fit beside 1024 threads' two: 224 KiB and 8 KiB static), where it is
-// fetched when the row starts. The flush is bwd_rows' (partials, atomics, or one row of blocks).
+// it copied: no barrier. ADD: the fused residual add's dres added to dx, staged in one buffer
+// when the row starts, where the planner gave the block that room (its dynamic shared memory
+// says so: no room beside 1024 threads' x, dy and float32 gamma), else fetched into L2 then and
+// read from there. The flush is bwd_rows' (partials, atomics, or one row of blocks).
 template <typename T, typename W, bool LN, int NPT, int WARP, int CL, bool ADD = false>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_resident(CLN_BWD_PARAMS) {
@@ -655,7 +656,10 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
   const int t = threadIdx.x, threads = blockDim.x;
   P* stage = reinterpret_cast<P*>(cl_smem);
   G* gstage = reinterpret_cast<G*>(stage + 4 * NPT * threads);
-  require_dynamic_smem(4u * NPT * threads * sizeof(P) + NPT * threads * sizeof(G));
+  P* dstage = reinterpret_cast<P*>(gstage + NPT * threads);  // dres, where staged
+  const unsigned int held = 4u * NPT * threads * sizeof(P) + NPT * threads * sizeof(G);
+  require_dynamic_smem(held);
+  const bool dres_staged = ADD && dynamic_smem_bytes() >= held + NPT * threads * sizeof(P);
   const cl_i64 c0 = (cl_i64)blockIdx.y * threads * NPT * VEC;  // this block's column tile
   const C inv_n = cl_inv_count(C(0), N);
   C acc_g[NPT][VEC], acc_b[NPT][VEC];
@@ -676,11 +680,19 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
+    if (dres_staged) {  // this row's dres, committed before the next row's x and dy
+      stage_packs<VEC, NPT>(dstage, dres + row * ldres, c0, N, true);
+      async_commit();
+    }
     prefetch(row + gridDim.x, (phase + 1) & 1);
-    async_wait<1>();  // this row's copies have landed; the next row's stay in flight
+    // this row's copies have landed; the next row's (and this row's dres) stay in flight
+    if (dres_staged)
+      async_wait<2>();
+    else
+      async_wait<1>();
     const SmemRow<P> px{stage + (phase & 1) * 2 * NPT * threads + t, threads};
     const SmemRow<P> pdy{px.base + NPT * threads, threads};
-    if constexpr (ADD) {  // this row's dres into L2 while its sums are made
+    if (ADD && !dres_staged) {  // this row's dres into L2 while its sums are made
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
         const cl_i64 col = c0 + ((cl_i64)k * threads + t) * VEC;
@@ -718,6 +730,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
     if (dx) {
       const DxRow<LN, C> dxe(rs, s, inv_n);
       T* dxr = dx + row * N;
+      if (dres_staged) async_wait<1>();  // this row's dres has landed
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
         const cl_i64 col = c0 + ((cl_i64)k * threads + t) * VEC;
@@ -734,7 +747,8 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
           o[j] = dxe(g, xh);
         }
         if constexpr (ADD) {
-          const P r = *reinterpret_cast<const P*>(dres + row * ldres + col);
+          const P r = dres_staged ? dstage[k * threads + t]
+                                  : *reinterpret_cast<const P*>(dres + row * ldres + col);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) o[j] += (C)elem(r, j);
         }

@@ -152,14 +152,28 @@ BWD_VARIANTS = {
     "staged cluster tiles": ({"bwd_stage": "always"}, 300, 40000),
     "one cluster of all rows": ({}, 16, 512),
     "rows held in 16 tiles": ({}, 20, 140000),
+    "rows held in 16 tiles, dresidual from L2": ({}, 16, 262144),
     "cooperative grid": ({}, 20, 300008),
     "cooperative grid, few rows": ({}, 3, 300008),
 }
-# The long rows' plans for the two calls below (bfloat16 LayerNorm, float32 RMSNorm): the
-# variant, and the grid's rows a step, where the device has clusters and cp.async.
-LONG_BWD = {"rows held in 16 tiles": (("bwd_resident", None), ("bwd_grid", 1)),
-            "cooperative grid": (("bwd_grid", 1), ("bwd_grid", 2)),
-            "cooperative grid, few rows": (("bwd_grid", 1), ("bwd_grid", 1))}
+# The long rows' plans for the two calls below (bfloat16 LayerNorm, float32 RMSNorm), where the
+# device has clusters and cp.async: the variant, the grid's rows a step, and whether the
+# resident tiles stage dresidual (no room beside 1024 threads' float32 gamma: read from L2).
+LONG_BWD = {"rows held in 16 tiles": (("bwd_resident", None, True), ("bwd_grid", 1, None)),
+            "rows held in 16 tiles, dresidual from L2": (("bwd_resident", None, False),
+                                                         ("bwd_grid", 2, None)),
+            "cooperative grid": (("bwd_grid", 1, None), ("bwd_grid", 2, None)),
+            "cooperative grid, few rows": (("bwd_grid", 1, None), ("bwd_grid", 1, None))}
+
+
+def long_plan(info, p):
+    """(variant, the grid's rows a step, dresidual staged on the resident tiles) of plan p."""
+    from cupyln import _plan
+
+    held = _plan.staging_bytes(info, p.spec.dtype, p.spec.vec, p.spec.npt, p.block[0], 1,
+                               p.spec.wdtype)
+    return (p.variant, p.spec.grid[2] if p.spec.grid else None,
+            p.smem > held if p.variant == "bwd_resident" else None)
 
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS, ids=list(BWD_VARIANTS))
@@ -173,8 +187,7 @@ def test_dresidual_in_every_backward_variant(plans, variant):
     for op, dt, wdt in (("ln", BF16, F32), ("rms", F32, F32)):
         run_fused(op, M, N, dt, wdt, config=plans.config)
     if variant in LONG_BWD and info.clusters and info.async_copy:
-        assert [(p.variant, p.spec.grid[2] if p.spec.grid else None) for p in plans] == \
-            list(LONG_BWD[variant])
+        assert [long_plan(info, p) for p in plans] == list(LONG_BWD[variant])
 
 
 def test_deterministic_fused_backward_is_bitwise_repeatable():

@@ -140,17 +140,19 @@ def _fake_resident_blocks(kern, threads, smem):
 
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
-                      hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16):
+                      hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16,
+                      most_smem=None):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
     and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable; ``is_ln``
-    False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places."""
+    False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places,
+    ``most_smem`` (if given) the most shared memory a block may have (else the H200's)."""
     from unittest import mock
 
     dtype = _dtype(dt)
-    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, not hip, clusters and not hip,
-                            hip)
+    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, most_smem or 227 * 1024,
+                            not hip, clusters and not hip, hip)
     built = {}
 
     def kernels(spec, p, text=None):
@@ -879,6 +881,20 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
         assert not fits or (plan.grid, plan.smem) == ((groups, columns), smem)
     else:
         assert plan.variant != "bwd_grid"
+
+
+@pytest.mark.parametrize("dt,N", [("bfloat16", 1 << 18), ("float16", 140000), ("float32", 1 << 17)])
+def test_fused_add_resident_backward_stages_dresidual_where_it_fits(dt, N):
+    """The fused add's backward on the resident tiles gives each block one buffer more (of
+    dresidual, which the kernel then stages) where a block may have it and as many clusters fit
+    with it; elsewhere the plain backward's shared memory (the kernel reads dresidual from L2)."""
+    plain, _ = _plan_without_gpu("bwd", dt, 64, N, 32)
+    assert plain.variant == "bwd_resident"
+    staged, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True)
+    assert (staged.variant, staged.grid, staged.block) == (plain.variant, plain.grid, plain.block)
+    assert staged.smem == plain.smem + BWD.resident_npt * plain.block[0] * 16
+    from_l2, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True, most_smem=plain.smem)
+    assert (from_l2.variant, from_l2.smem) == ("bwd_resident", plain.smem)
 
 
 @pytest.mark.parametrize("fields", [
