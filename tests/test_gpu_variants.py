@@ -716,13 +716,19 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
 @pytest.mark.parametrize("dt,wdt", [(F16, F16), (F16, F32), (BF16, BF16)])
 def test_peeled_rows_of_8_vectors_per_thread(plans, op, dt, wdt):
     """Odd rows that one block holds only at 8 vectors per thread (57345 to 65536 16-bit
-    elements), where no staged buffer pair fits: the peeled kernel holds them in registers
-    (float16 packed), here for few rows (``peel_parts_rows=0``), as the planner runs it for
-    more than 4 rows per multiprocessor."""
+    elements), where no staged buffer pair fits, here for few rows (``peel_parts_rows=0``), as
+    the planner runs them for more than 4 rows per multiprocessor: the peeled kernel holds them
+    in registers (float16 packed) where it spills no more than ``peel_block_spill`` bytes (or
+    that bound is lifted), else they go in chunks; either against the reference."""
+    case = inputs(40, 60001, dt, wdt)
     plans.spy("fwd")
-    plans.replan(fwd_peel_parts_rows=0)
-    check_case(op, *inputs(40, 60001, dt, wdt), config=plans.config)
+    plans.replan(fwd_peel_parts_rows=0, fwd_peel_block_spill=1 << 20)
+    check_case(op, *case, config=plans.config)
     assert [(p.variant, p.spec.npt) for p in plans] == [("fwd_peeled", 8)]
+    spills = plans[0].kern.local_size_bytes > cupyln.FwdConfig().peel_block_spill
+    plans.replan(fwd_peel_parts_rows=0)
+    check_case(op, *case, config=plans.config)
+    assert [p.variant for p in plans] == ["fwd_peeled_chunked" if spills else "fwd_peeled"]
 
 
 @st.composite
@@ -828,7 +834,8 @@ def test_peeled_rows_staged(plans, op, M, N, dt, wdt, extra):
     x = _padded(cp.asarray(x_h), extra) if extra else cp.asarray(x_h)
     _peeled_fwd_alike(plans, op, x_h, x, g_h, b_h if op == "ln" else None,
                       [({"fwd_stage": "auto"}, "fwd_peeled_staged"),
-                       ({"fwd_stage": "never"}, "fwd_peeled")])
+                       ({"fwd_stage": "never", "fwd_peel_block_spill": 1 << 20},
+                        "fwd_peeled")])
 
 
 @pytest.mark.parametrize("dt,wdt,N", [(BF16, BF16, 3583), (F16, F32, 3583), (F32, F32, 3583),
