@@ -282,6 +282,13 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
   if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
 }
 
+// A peeled row's vectors as norm_fwd_peeled keeps them: float16 packed at 8 vectors per thread,
+// whose 64 floats alone are the launch bound's registers (ptxas: 420 bytes spilled, 58 packed).
+template <typename T, int VEC, int NPT> struct PeeledVec {
+  typedef typename RowVec<T, VEC>::type type;
+};
+template <int VEC> struct PeeledVec<cl_half, VEC, 8> { typedef Pack<cl_half, VEC> type; };
+
 // Rows on which 16-byte vectors do not fit as they are (odd N, or a row stride that is not a
 // multiple of the vector): each row's head (the elements before its first 16-byte boundary) and
 // tail (after its last) are peeled off, one element per thread of the first 2 * VEC, and the
@@ -295,13 +302,6 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
 // row's middle copied ahead (cp.async) into one of two buffers of [NPT][threads] packs in
 // dynamic shared memory, so that its loads overlap this row's reductions and stores; each pass
 // reads the row from its buffer (SmemRow), no registers held for it.
-// A peeled row's vectors as norm_fwd_peeled keeps them: float16 packed at 8 vectors per thread,
-// whose 64 floats alone are the launch bound's registers (ptxas: 420 bytes spilled, 58 packed).
-template <typename T, int VEC, int NPT> struct PeeledVec {
-  typedef typename RowVec<T, VEC>::type type;
-};
-template <int VEC> struct PeeledVec<cl_half, VEC, 8> { typedef Pack<cl_half, VEC> type; };
-
 template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
           bool STAGE = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
