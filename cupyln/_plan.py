@@ -779,8 +779,8 @@ def _takes_tickets(cfg: BwdConfig, kerns, main, block, tiles, M, warp):
 def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False):
     """Rows longer than the register tiles' clusters of ``cluster_tiles_long`` blocks hold
     (16-byte vectors, sm_90), in that many column tiles of ``resident_npt`` vectors per thread
-    that keep x and dy in shared memory (the fused add's dresidual too where as many clusters
-    fit with it, else read from L2), at least ``resident_rows`` rows per cluster that fits at
+    that keep x and dy in shared memory (the fused add's dresidual too where a block may have
+    the room and as many clusters fit with it, else read from L2), at least ``resident_rows`` rows per cluster that fits at
     once; None elsewhere (row sums and tiles)."""
     cfg = config.bwd
     npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
