@@ -243,13 +243,19 @@ def _within_grid(plan, info, pass_, N):
     return plan
 
 
+def kernel_resource(kern, name):
+    """A compiled kernel's ``num_regs``, ``shared_size_bytes`` or ``local_size_bytes``: 0 for no
+    kernel (bounds before compiling) or where the backend does not report it."""
+    return int(getattr(kern, name, 0) or 0)
+
+
 def blocks_per_sm(kern, threads, smem, info):
     """Resident blocks of ``kern`` per multiprocessor, from its register and memory use (kern
     None: the bound of threads and dynamic shared memory alone, before compiling)."""
-    regs = max(int(getattr(kern, "num_regs", 0) or 0), 1)
+    regs = max(kernel_resource(kern, "num_regs"), 1)
     by_threads = info.threads_per_sm // threads
     by_regs = info.regs_per_sm // (round_up(regs, 8) * threads)
-    static = int(getattr(kern, "shared_size_bytes", 0) or 0)
+    static = kernel_resource(kern, "shared_size_bytes")
     by_smem = info.smem_per_sm // (smem + static + 1024)
     return max(1, min(by_threads, by_regs, by_smem, 32))
 
@@ -385,7 +391,7 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
     if staged:
         main, (smem, grid) = "fwd_peeled_staged", staged
     elif (cfg.peel_chunked and g.npt > cfg.npt
-          and kerns[main].local_size_bytes > cfg.peel_block_spill):
+          and kernel_resource(kerns[main], "local_size_bytes") > cfg.peel_block_spill):
         return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
@@ -531,7 +537,7 @@ def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
     kern = _compile.kernels(spec, "fwd", config.source)["fwd_resident"]
     pack = tpr * 16  # one slot: a vector per thread
-    static = int(getattr(kern, "shared_size_bytes", 0) or 0)
+    static = kernel_resource(kern, "shared_size_bytes")
     fit = (info.smem_per_sm - 1024 - static) // pack  # 1 KiB per block: the system's
     slots = min(2 * npt, fit, cfg.resident_slots or fit)
     smem = slots * pack
@@ -780,8 +786,8 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     """Rows longer than the register tiles' clusters of ``cluster_tiles_long`` blocks hold
     (16-byte vectors, sm_90), in that many column tiles of ``resident_npt`` vectors per thread
     that keep x and dy in shared memory (the fused add's dresidual too where a block may have
-    the room and as many clusters fit with it, else read from L2), at least ``resident_rows`` rows per cluster that fits at
-    once; None elsewhere (row sums and tiles)."""
+    the room and as many clusters fit with it, else read from L2), at least ``resident_rows``
+    rows per cluster that fits at once; None elsewhere (row sums and tiles)."""
     cfg = config.bwd
     npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
     if not (npt and tiles > 1 and info.clusters and info.async_copy and cfg.cluster
@@ -800,7 +806,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
         return None
     dres = smem + npt * tpr * 16  # one buffer of dresidual: the kernel stages it given the room
     kern = kerns["bwd_resident"]
-    if (residual and dres + kern.shared_size_bytes <= info.smem_per_block
+    if (residual and dres + kernel_resource(kern, "shared_size_bytes") <= info.smem_per_block
             and _driver.max_active_clusters(kern, (1, tiles), (tpr, 1), dres) == fit):
         smem = dres
     return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_resident", (min(M, fit), tiles), tpr,
