@@ -92,9 +92,9 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
 
 def backward_case(op, M, N, dt, wdt, plans):
     """(x, bwd, check) of one backward case: ``bwd(deterministic, params)`` calls cupyln's
-    backward under ``plans``' config as it is at the call (dgamma/dbeta asked for or not), ``check(outs, params, dx)``
-    compares its outputs with the reference (dx where asked; no dgamma/dbeta where not asked
-    for)."""
+    backward under ``plans``' config as it is at the call (dgamma/dbeta asked for or not),
+    ``check(outs, params, dx)`` compares its outputs with the reference (dx where asked; no
+    dgamma/dbeta where not asked for)."""
     xh, dyh, gh, _ = inputs(M, N, dt, wdt)
     x, dy, g = (cp.asarray(a) for a in (xh, dyh, gh))
     if op == "ln":
@@ -106,8 +106,7 @@ def backward_case(op, M, N, dt, wdt, plans):
     floor = dx_floor(dyh, gh, rstd)
 
     def bwd(deterministic, params=True):
-        kw = {"deterministic": deterministic, "need_dgamma": params,
-              "config": plans.config}
+        kw = {"deterministic": deterministic, "need_dgamma": params, "config": plans.config}
         if op == "ln":
             return cupyln.layer_norm_bwd(dy, x, g, mean, rstd, need_dbeta=params, **kw)
         return cupyln.rms_norm_bwd(dy, x, g, rstd, **kw)
