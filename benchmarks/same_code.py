@@ -112,10 +112,10 @@ def main(argv=None):
             old = defined_in(texts[0], names)
             base, new = pool.map(build, texts, (old, names), (arch,) * 2)
             counts = collections.defaultdict(lambda: [0, 0])
-            added = {_template(n) for n in names} - {_template(n) for n in old}
-            added = collections.Counter(_template(k) for k in new if _template(k) in added)
+            new_templates = {_template(n) for n in names} - {_template(n) for n in old}
+            added = collections.Counter(_template(k) for k in new if _template(k) in new_templates)
             for key in base.keys() | new.keys():
-                if _template(key) not in added:
+                if _template(key) not in new_templates:
                     c = counts[_template(key)]
                     c[0] += 1
                     c[1] += base.get(key) == new.get(key)
