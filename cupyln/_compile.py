@@ -201,8 +201,11 @@ class Spec(NamedTuple):
             grid = ", ".join(map(str, self.grid))
             return {"bwd_grid": f"norm_bwd_grid<{self._bwd_head()}, {grid}{add}>",
                     **self._sums()}
-        return {"bwd_resident": f"norm_bwd_resident<{self._bwd_head()}, {self.tiles}{add}>",
-                **self._sums()}
+        resident = f"norm_bwd_resident<{self._bwd_head()}, {self.tiles}"
+        names = {"bwd_resident": f"{resident}{add}>", **self._sums()}
+        if self.residual:  # dresidual staged in shared memory, where a block has the room
+            names["bwd_resident_staged"] = f"{resident}, cln::dresidual_staged>"
+        return names
 
     def _bwd_peeled_names(self, pass_):
         """Rows peeled as the forward's: one block each, or column tiles."""

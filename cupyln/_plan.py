@@ -804,11 +804,11 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
     if not fit or M < cfg.resident_rows * fit:
         return None
-    dres = smem + npt * tpr * 16  # one buffer of dresidual: the kernel stages it given the room
-    kern = kerns["bwd_resident"]
-    if (residual and dres + kernel_resource(kern, "shared_size_bytes") <= info.smem_per_block
-            and _driver.max_active_clusters(kern, (1, tiles), (tpr, 1), dres) == fit):
-        smem = dres
+    if residual:  # one buffer more, of dresidual, in the kernel that stages it
+        dres, staged = smem + npt * tpr * 16, kerns["bwd_resident_staged"]
+        if (dres + kernel_resource(staged, "shared_size_bytes") <= info.smem_per_block
+                and _driver.max_active_clusters(staged, (1, tiles), (tpr, 1), dres) == fit):
+            smem, kerns = dres, {**kerns, "bwd_resident": staged}
     return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_resident", (min(M, fit), tiles), tpr,
                                    smem, N)
 

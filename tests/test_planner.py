@@ -867,7 +867,8 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
     plain, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters, hip=hip)
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=clusters)
     assert all(n.startswith(("norm_bwd_add", "norm_bwd_rowsums", "norm_bwd_reduce"))
-               or n.endswith("cln::dresidual>") for n in built.values())
+               or n.endswith(("cln::dresidual>", "cln::dresidual_staged>"))
+               for n in built.values())
     assert plan.spec.residual and not plan.dynamic and plan.variant != "bwd_csum"
     assert plan.spec.vec in (16 // plan.spec.dtype.itemsize, 1)
     assert (plan.variant == "bwd_resident") == (plain.variant == "bwd_resident")
@@ -886,15 +887,19 @@ def test_fused_add_backward_plans_its_own_kernels(dt, M, N, warp, target):
 @pytest.mark.parametrize("dt,N", [("bfloat16", 1 << 18), ("float16", 140000), ("float32", 1 << 17)])
 def test_fused_add_resident_backward_stages_dresidual_where_it_fits(dt, N):
     """The fused add's backward on the resident tiles gives each block one buffer more (of
-    dresidual, which the kernel then stages) where a block may have it and as many clusters fit
-    with it; elsewhere the plain backward's shared memory (the kernel reads dresidual from L2)."""
+    dresidual, staged by the kernel that stages it) where a block may have it and as many
+    clusters fit with it; elsewhere the plain backward's shared memory (and the kernel that
+    reads dresidual from L2)."""
     plain, _ = _plan_without_gpu("bwd", dt, 64, N, 32)
     assert plain.variant == "bwd_resident"
     staged, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True)
     assert (staged.variant, staged.grid, staged.block) == (plain.variant, plain.grid, plain.block)
     assert staged.smem == plain.smem + BWD.resident_npt * plain.block[0] * 16
+    assert staged.kern.name.endswith(", cln::dresidual_staged>")
+    assert staged.launch["bwd"].kern is staged.kern
     from_l2, _ = _plan_without_gpu("bwd", dt, 64, N, 32, residual=True, most_smem=plain.smem)
     assert (from_l2.variant, from_l2.smem) == ("bwd_resident", plain.smem)
+    assert from_l2.kern.name.endswith(", cln::dresidual>")
 
 
 @pytest.mark.parametrize("fields", [
