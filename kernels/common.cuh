@@ -24,7 +24,7 @@ constexpr bool in_parts = true, whole_rows = false;     // a backward row's sums
 constexpr bool peeled = true;                           // rows' heads and tails peeled off
 constexpr bool col_tiles = true;                        // long rows on column tiles
 constexpr bool dresidual = true;                        // the fused add's gradient added to dx
-constexpr int dresidual_staged = 2;  // ... copied into shared memory (norm_bwd_resident)
+constexpr int dresidual_staged = 2;  // the same, staged in shared memory (norm_bwd_resident)
 }  // namespace cln
 
 // Stops the kernel with an error: for host/kernel mismatches that would give wrong results.
