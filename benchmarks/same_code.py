@@ -9,8 +9,8 @@ the working tree: with NVRTC to PTX for each --arch (what ptxas would be given) 
 to AMDGPU assembly for each --hip target. For each template it prints how many kernels compile
 to the same text. Block labels are renumbered and a function-local static variable goes by its
 own name (its mangled owner changes when code moves into a helper). A refactor that leaves every
-kernel the same changes nothing a GPU run could see. Exits 1 where any kernel differs; templates
-that BASE does not define are counted apart, as new.
+kernel the same changes nothing a GPU run could see. Exits 1 where any kernel differs; kernels
+that BASE cannot instantiate are counted apart, as new.
 """
 
 import argparse
@@ -35,6 +35,7 @@ def _static(m):
 
 def _normal(text):
     text = re.sub(r"\$L__BB\d+_", "$L__BB_", text)  # PTX block labels
+    text = re.sub(r"__local_depot\d+", "__local_depot", text)  # numbered in program order
     text = re.sub(r"\.LBB\d+_", ".LBB_", text)  # AMDGPU block labels
     return re.sub(r"_ZZ\w+", _static, text)
 
@@ -52,7 +53,9 @@ def _ptx(text, names, arch):
     lowered = _compile.compile_nvrtc(names, arch, text=text, ptx=ptx)
     entries = {m.group(1): m.group(0)
                for m in re.finditer(r"\.entry (\w+)\(.*?\n}\n", ptx[0], flags=re.S)}
-    return {n: _normal(entries[lowered[n]]) for n in names}
+    # the entry's own name (and its parameters', which carry it) as one word: an added template
+    # parameter with its default changes the name alone
+    return {n: _normal(entries[lowered[n]].replace(lowered[n], "KERNEL")) for n in names}
 
 
 def _amdgpu(text, names, arch):
@@ -84,6 +87,22 @@ def defined_in(text, names):
     return [n for n in names if re.search(rf"\b{_template(n)}\s*\(", text)]
 
 
+def instantiable(text, names):
+    """The ``names`` that ``text`` defines and can instantiate (NVRTC's front end): a kernel,
+    or a template argument, added since BASE is not."""
+    names = defined_in(text, names)
+    while True:
+        try:
+            _compile.compile_nvrtc(names, "compute_90", text=text, syntax_only=True)
+            return names
+        except RuntimeError as e:
+            bad = {re.sub(r"\s", "", n)
+                   for n in re.findall(r'Input name expression was: "(.*?)"', str(e))}
+            if not bad:
+                raise
+            names = [n for n in names if re.sub(r"\s", "", n) not in bad]
+
+
 def _template(key):
     """The template of a name expression (norm_bwd<...>) or a mangled symbol (_Z8norm_bwdI...)."""
     mangled = re.match(r"_Z(\d+)", key)
@@ -109,16 +128,14 @@ def main(argv=None):
         for build, arch, warp, clusters, hip in jobs:
             names = sorted(n for n in all_kernel_names(warp, clusters=clusters, hip=hip)
                            if not wanted or _template(n) in wanted)
-            old = defined_in(texts[0], names)
+            old = instantiable(texts[0], names)
             base, new = pool.map(build, texts, (old, names), (arch,) * 2)
             counts = collections.defaultdict(lambda: [0, 0])
-            new_templates = {_template(n) for n in names} - {_template(n) for n in old}
-            added = collections.Counter(_template(k) for k in new if _template(k) in new_templates)
-            for key in base.keys() | new.keys():
-                if _template(key) not in new_templates:
-                    c = counts[_template(key)]
-                    c[0] += 1
-                    c[1] += base.get(key) == new.get(key)
+            added = collections.Counter(_template(k) for k in new.keys() - base.keys())
+            for key in base.keys():
+                c = counts[_template(key)]
+                c[0] += 1
+                c[1] += base[key] == new.get(key)
             for template, (n, same) in sorted(counts.items()):
                 print(f"{arch} {template}: {same} of {n} the same")
                 differ |= same < n

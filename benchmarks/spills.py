@@ -18,7 +18,7 @@ import concurrent.futures
 import re
 import sys
 
-from same_code import _git_reader, _template, defined_in
+from same_code import _git_reader, _template, instantiable
 
 from cupyln import _compile
 from cupyln._plan import all_kernel_names
@@ -90,7 +90,7 @@ def main(argv=None):
         _summary(new, args.all)
         if args.base:  # the kernels BASE defines (a template added since is new)
             text = _compile.translation_unit(_git_reader(args.base))
-            old = defined_in(text, names)
+            old = instantiable(text, names)
             base = report(text, old, args.arch, pool)
             changed = [n for n in old if base[n] != new[n]]
             for n in changed:
