@@ -272,12 +272,13 @@ def _add_rms_fwd_fake(x, residual, weight, normalized_shape, eps, residual_dtype
 
 
 def _grads(x, weight, stats, need):
-    """Gradient tensors to fill: dx like x, dgamma/dbeta in weight's dtype (x's without a
-    weight) and the normalized shape (x's axes after the statistics'); None where not needed."""
-    pdt = x.dtype if weight is None else weight.dtype
-    norm = tuple(x.shape)[stats.dim():]  # a tuple, as _stats
-    return (_like(x) if need[0] else None,
-            *(x.new_empty(norm, dtype=pdt) if n else None for n in need[1:]))
+    """Gradient tensors to fill: dx like x, dgamma/dbeta like weight (without a weight: in x's
+    dtype, of x's axes after the statistics'); None where not needed."""
+
+    def param():  # empty_like where it can: 3 us against new_empty's 5 (CPU host)
+        return x.new_empty(tuple(x.shape)[stats.dim():]) if weight is None else _like(weight)
+
+    return (_like(x) if need[0] else None, *(param() if n else None for n in need[1:]))
 
 
 def _filled(grads, x):
