@@ -165,6 +165,24 @@ def test_without_grad_the_forward_runs_without_autograd(monkeypatch, device, con
                 assert torch.equal(g, e) and not g.requires_grad
 
 
+def test_with_grad_the_function_is_applied_past_torchs_python_wrapper(monkeypatch):
+    """With gradients recorded and no functorch transform active, the forwards apply their
+    autograd.Function through its C++ part, not torch's Python ``apply``; the gradients are
+    torch.nn.functional's."""
+    x, w, b, dy = inputs((6, 40), 1, torch.float64, torch.float64, "cpu")
+    r = torch.randn_like(x)
+    want = [grads(lambda x, w, b: F.layer_norm(x, (40,), w, b), x, w, b, dy),
+            grads(lambda x, w, _: F.rms_norm(x, (40,), w, 1e-6), x, w, None, dy),
+            grads(lambda x, w, b: F.layer_norm(x + r, (40,), w, b), x, w, b, dy)]
+    monkeypatch.setattr(torch.autograd.Function, "apply",
+                        classmethod(lambda *a: pytest.fail("autograd.Function.apply")))
+    got = [grads(lambda x, w, b: ct.layer_norm(x, (40,), w, b), x, w, b, dy),
+           grads(lambda x, w, _: ct.rms_norm(x, (40,), w, 1e-6), x, w, None, dy),
+           grads(lambda x, w, b: ct.add_layer_norm(x, r, (40,), w, b)[0], x, w, b, dy)]
+    for g, e in zip(got, want, strict=True):
+        assert all(rel_err(a, c) < TOL[torch.float64] for a, c in zip(g, e, strict=True))
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_deterministic_module_is_bitwise_repeatable():
