@@ -208,11 +208,14 @@ class Spec(NamedTuple):
         return names
 
     def _bwd_peeled_names(self, pass_):
-        """Rows peeled as the forward's: one block each, or column tiles."""
+        """Rows peeled as the forward's: one block each, or column tiles (the fused add's
+        dresidual: kernels of their own)."""
         peeled, reduce = f"norm_bwd_peeled<{self._bwd_head()}", self._sums()["reduce"]
+        add = ", cln::dresidual" if self.residual else ""
         if pass_ == "bwd":
-            return {"bwd_peeled": f"{peeled}>", "reduce": reduce}
-        return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles>",
+            return {"bwd_peeled": f"{peeled}, cln::row_blocks{add}>" if add else f"{peeled}>",
+                    "reduce": reduce}
+        return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles{add}>",
                 "rowsums": f"norm_bwd_rowsums<{self._args()}, 1, cln::whole_rows, cln::peeled>",
                 "reduce": reduce}
 

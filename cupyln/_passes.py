@@ -210,7 +210,8 @@ class HotBwd(_Prepared):
         dyp, xp, gp, mp, rp, drp, dxp, dgp, dbp = ptrs
         if (dyp | xp | dxp | drp) & self.xmask or gp & self.wmask:
             return False
-        if self.peel and ((xp ^ dyp) & 15 or dxp and (xp ^ dxp) & 15):
+        if self.peel and ((xp ^ dyp) & 15 or dxp and (xp ^ dxp) & 15
+                          or drp and (xp ^ drp) & 15):
             return False
         ldx, lddy, M, N, P, own, G = self.consts
         rsp = 0 if self.rowsums is None else base + self.rowsums
@@ -329,7 +330,7 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         y = out[0] if out else None
-        peel = hdtype is None and _peelable(x.dtype, vec, N, [(xr, ldx)], y)
+        peel = hdtype is None and _peelable(x.dtype, vec, N, [(xr, ldx)], [y])
         plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
         hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:
@@ -337,14 +338,16 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         return hot(xr, g2, b2, out, r2)
 
 
-def _peelable(dtype, vec, N, inputs, out):
+def _peelable(dtype, vec, N, inputs, outs):
     """Whether rows of vectors narrower than 16 bytes can be peeled: every input's rows
-    (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as the
-    output's (``out``, or one allocated 256-byte aligned where None), row after row."""
+    (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as every
+    output's (``outs``: rows of N; None for one allocated 256-byte aligned), row after row."""
     wide = 16 // dtype.itemsize
-    at = out.data.ptr if out is not None else 0
-    return vec < wide and all((ld - N) % wide == 0 and (a.data.ptr - at) % 16 == 0
-                              for a, ld in inputs)
+    offsets = {0 if o is None else o.data.ptr % 16 for o in outs}
+    if vec >= wide or len(offsets) != 1:
+        return False
+    (at,) = offsets
+    return all((ld - N) % wide == 0 and a.data.ptr % 16 == at for a, ld in inputs)
 
 
 def _empty_forward(x, lead, is_ln, hdtype, out):
@@ -386,14 +389,13 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         # vector accesses: x, dy, dx, dresidual and gamma (dgamma/dbeta are per element)
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
         vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
-        if drr is None:
-            dx = out[0] if out else None
-            peel = _peelable(x.dtype, vec, N, [(xr, ldx), (dyr, lddy)], dx)
-            plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,
-                                  False, peel)
-        else:
-            plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N,
-                                  add_vec(x.dtype, vec), True)
+        dx = out[0] if out else None
+        inputs = [(xr, ldx), (dyr, lddy)] + ([(drr, ldres)] if drr is not None else [])
+        peel = _peelable(x.dtype, vec, N, inputs, [dx])
+        if drr is not None:
+            vec = add_vec(x.dtype, vec)
+        plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,
+                              drr is not None, peel)
         partials = deterministic or not config.bwd.atomic_flush
         dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,

@@ -176,10 +176,11 @@ def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
                 "bwd_long"
     npts = [n for n in range(cfg.npt_min, max(cfg.npt, cfg.tile_npt, cfg.cluster_npt) + 1)
             if not n & (n - 1)]
-    if s.wide:  # narrower rows peeled
-        for n in npts[:2]:
-            yield s._replace(npt=n, peeled=True), "bwd"
-        yield s._replace(npt=cfg.tile_npt, peeled=True), "bwd_long"
+    if s.wide:  # narrower rows peeled (and the fused add's)
+        for res in residuals:
+            for n in npts[:2]:
+                yield s._replace(npt=n, peeled=True, residual=res), "bwd"
+            yield s._replace(npt=cfg.tile_npt, peeled=True, residual=res), "bwd_long"
     long_tiles = cluster_sizes(cfg) if clusters else (1,)  # the long-row backward's modules
     for n in npts:
         for pass_, tiles in (("bwd", 1), ("bwd", cfg.csum_blocks),
@@ -656,12 +657,13 @@ def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
     return {"rowsums": Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)}
 
 
-def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
+def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
     ``peel_rows`` rows; rows longer than one block on column tiles after their row sums, where
     they are more than ``sms * parts_rows`` (fewer: narrow vectors, whose row sums go in parts
-    over the grid). None elsewhere (narrow vectors then)."""
+    over the grid). None elsewhere (narrow vectors then). ``residual``: the same plans on the
+    kernels that add the fused add's dresidual to dx."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
@@ -673,7 +675,8 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
         g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
     if g.tpr < 2 * vec:
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True,
+                residual=residual)
     main = "bwd_peeled" if g.fits else "bwd_peeled_tiles"
     kerns = _compile.kernels(spec, "bwd" if g.fits else "bwd_long", config.source)
     tiles = 1 if g.fits else cdiv(N // vec, g.tpr * g.npt)
@@ -704,7 +707,8 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
 
 def _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
     info, cfg = device_info(dev_id), config.bwd
-    peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N) if peel else None
+    peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual) if peel \
+        else None
     if peeled is not None:
         return peeled
     g = bwd_geometry(cfg, N // vec, info.warp)

@@ -22,7 +22,7 @@ constexpr bool chunks = true, one_chunk = false;        // a row read in chunks 
 constexpr bool part_apply = true, part_stats = false;   // the two launches of rows in parts
 constexpr bool in_parts = true, whole_rows = false;     // a backward row's sums in parts
 constexpr bool peeled = true;                           // rows' heads and tails peeled off
-constexpr bool col_tiles = true;                        // long rows on column tiles
+constexpr bool col_tiles = true, row_blocks = false;    // long rows on column tiles
 constexpr bool dresidual = true;                        // the fused add's gradient added to dx
 constexpr int dresidual_staged = 2;  // the same, staged in shared memory (norm_bwd_resident)
 }  // namespace cln

@@ -407,8 +407,10 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // partials ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to
 // dgamma/dbeta. TILES: rows longer than one block, on gridDim.y column tiles of the middle
 // (blockDim.x * NPT vectors each), whose row sums norm_bwd_rowsums (peeled) has computed; tile 0
-// also takes the head and tail.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false>
+// also takes the head and tail. ADD: the fused add's dresidual (rows alike with x's, the host's
+// rule), read with the row and added to dx.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false,
+          bool ADD = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T);
@@ -441,11 +443,13 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
-    Pack<T, VEC> px[NPT], pdy[NPT];
+    Pack<T, VEC> px[NPT], pdy[NPT], pdr[ADD ? NPT : 1];
     load_packs<VEC, NPT>(x + row * ldx + head, c0, mid, true, px);
     load_packs<VEC, NPT>(dy + row * lddy + head, c0, mid, true, pdy);
+    if constexpr (ADD) load_packs<VEC, NPT>(dres + row * ldres + head, c0, mid, !!dx, pdr);
     const C xe = has_e ? to_acc(x[row * ldx + ec]) : C(0);
     const C dye = has_e ? to_acc(dy[row * lddy + ec]) : C(0);
+    const C dre = ADD && has_e && dx ? to_acc(dres[row * ldres + ec]) : C(0);
     C xh[NPT][VEC], g[NPT][VEC];  // g: dy, then dy * gamma
     C s[2] = {C(0), C(0)};
 #pragma unroll
@@ -486,10 +490,13 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
       if (col >= mid) continue;
       C o[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o[j] = dxe(g[k][j], xh[k][j]);
+      for (int j = 0; j < VEC; ++j) {
+        o[j] = dxe(g[k][j], xh[k][j]);
+        if constexpr (ADD) o[j] += (C)elem(pdr[k], j);
+      }
       store_vec<VEC>(dxr + head + col, o);
     }
-    if (has_e) dxr[ec] = Store<T>::cvt(dxe(ge, xhe));
+    if (has_e) dxr[ec] = Store<T>::cvt(ADD ? dxe(ge, xhe) + dre : dxe(ge, xhe));
   }
   // every column once: the middle's by its vectors' threads, the head's and tail's by theirs
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;

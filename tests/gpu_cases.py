@@ -26,6 +26,13 @@ def assert_close(out, want, name, floor=0.0):
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:g}"
 
 
+def padded(a, extra):
+    """``a`` (2-D) as the first columns of rows ``extra`` elements longer."""
+    big = cp.zeros((a.shape[0], a.shape[1] + extra), a.dtype)
+    big[:, : a.shape[1]] = a
+    return big[:, : a.shape[1]]
+
+
 def check_case(op, x_h, dy_h, g_h, b_h, *, layout=lambda a: a, k=None, deterministic=False,
                need=(True, True, True), config=None):
     """Run fwd + bwd on the GPU (planned by ``config``) with inputs made by `layout` from host

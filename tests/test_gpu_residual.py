@@ -3,7 +3,7 @@ dtypes, geometries and the backward's variants (marked `gpu`)."""
 
 import numpy as np
 import pytest
-from gpu_cases import BF16, F16, F32, LAYOUTS, PAIRS, assert_close, host
+from gpu_cases import BF16, F16, F32, F64, LAYOUTS, PAIRS, assert_close, host, padded
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BOUNDARY_N
@@ -135,6 +135,37 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
         wide = N % (16 // dt.itemsize) == 0  # parts: 16-byte vectors (single elements: chunks)
         assert plans and all((p.variant == "fwd_parts") == (rows > 0 and wide) for p in plans), \
             [p.variant for p in plans]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,hdt,extra", [
+    (8, 3583, F16, F16, None, 0), (37, 3583, BF16, F32, None, 0),
+    (300, 50257, BF16, BF16, None, 0), (1000, 4099, F32, F32, None, 0),
+    (5, 777, F64, F64, None, 0), (40, 3583, F16, F16, None, 8), (40, 3583, F16, F16, None, 1),
+    (600, 9001, F16, F32, None, 0), (64, 4097, BF16, BF16, F32, 0),
+    (9, 131071, F16, F32, None, 0), (3, 70001, BF16, BF16, None, 8)])
+def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
+    """The fused add on rows whose 16-byte vectors do not fit as they are (odd N, row strides
+    ``extra`` elements longer) matches the reference with the rows' heads and tails peeled off
+    and without; the backward's peeled kernels (dresidual added to dx) run where dy's, h's,
+    dresidual's and dx's rows start alike within 16 bytes, as the plain backward's do."""
+    from cupyln import _plan
+
+    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
+    H = hdt or dt
+    wide = 16 // H.itemsize
+    alike = extra % wide == 0 and N % wide != 0 and N >= 2 * wide
+    sms = _plan.device_info(cp.cuda.Device().id).sms
+    tiles = N // wide > 1024 and M > sms * cupyln.BwdConfig().parts_rows
+    long = 64 <= N // wide <= 1024 or tiles
+    plans.spy("bwd")
+    for peel in (True, False):
+        plans.replan(bwd_peel=peel, **({"bwd_peel_rows": 0} if peel else {}))
+        run_fused(op, M, N, dt, wdt, hdt, layout=layout, config=plans.config)
+        peeled = [p.variant.startswith("bwd_peeled") for p in plans]
+        assert plans and (all(peeled) if peel and alike and long
+                          else not any(peeled) if not (peel and alike) else True), peeled
+        assert all(p.spec.residual for p in plans)
 
 
 # The backward's variants, each reached by its config: rows in a block with partials or atomics,

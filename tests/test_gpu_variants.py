@@ -14,6 +14,7 @@ from gpu_cases import (
     assert_close,
     check_case,
     inputs,
+    padded,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -647,13 +648,6 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
 # --------------------------------------------------------------------------- peeled rows
 
 
-def _padded(a, extra):
-    """``a`` (2-D) as the first columns of rows ``extra`` elements longer."""
-    big = cp.zeros((a.shape[0], a.shape[1] + extra), a.dtype)
-    big[:, : a.shape[1]] = a
-    return big[:, : a.shape[1]]
-
-
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,extra", [
     (8, 3583, F16, F16, 0), (37, 3583, BF16, F32, 0), (300, 50257, BF16, BF16, 0),
@@ -672,7 +666,7 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
     from cupyln import _plan
 
     case = inputs(M, N, dt, wdt)
-    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     wide = 16 // dt.itemsize
     alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
     sms = _plan.device_info(cp.cuda.Device().id).sms
@@ -700,7 +694,7 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
     """Peeled rows past one block of 8 vectors per thread, their middles read in chunks twice
     (here for few rows: ``peel_parts_rows=0``), against the reference, rows of longer strides
     included; ``peel_chunked=False``: narrow vectors over the row, the same results."""
-    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     case = inputs(M, N, dt, wdt)
     plans.spy("fwd")
     for chunked in (True, False):
@@ -746,7 +740,7 @@ def test_fuzz_peeled_long_rows(op, rows, det, seed):
     """Long rows of any length against the reference: peeled in parts or in one block
     (forward), on column tiles (backward), or narrow vectors, as the planner picks."""
     M, N, (dt, wdt), extra = rows
-    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     check_case(op, *inputs(M, N, dt, wdt, seed=seed), layout=layout, deterministic=det)
 
 
@@ -768,7 +762,7 @@ def test_fuzz_rows_past_8_cluster_blocks(op, rows, det, seed):
     """Long rows against the reference wherever 16-block clusters may run (sm_90), and the
     paths beside them (8 blocks, parts, row sums and tiles), as the planner picks."""
     M, N, (dt, wdt), extra = rows
-    layout = (lambda a: _padded(a, extra)) if extra else (lambda a: a)
+    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     check_case(op, *inputs(M, N, dt, wdt, seed=seed), layout=layout, deterministic=det)
 
 
@@ -830,7 +824,7 @@ def test_peeled_rows_staged(plans, op, M, N, dt, wdt, extra):
     copied ahead, read from shared memory in each pass): the same y, mean and rstd bitwise as
     the direct kernel's, and the reference's."""
     x_h, _, g_h, b_h = inputs(M, N, dt, wdt)
-    x = _padded(cp.asarray(x_h), extra) if extra else cp.asarray(x_h)
+    x = padded(cp.asarray(x_h), extra) if extra else cp.asarray(x_h)
     _peeled_fwd_alike(plans, op, x_h, x, g_h, b_h if op == "ln" else None,
                       [({"fwd_stage": "auto"}, "fwd_peeled_staged"),
                        ({"fwd_stage": "never", "fwd_peel_block_spill": 1 << 20},

@@ -170,11 +170,11 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         if hdtype is not None:
             return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N,
                                               add_vec(dtype, vec), hdtype), built
-        if residual:
-            return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, True, M, N,
-                                              add_vec(dtype, vec), True), built
-        planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
+        if residual:
+            return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, is_ln, M, N,
+                                              add_vec(dtype, vec), True, peel), built
+        planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
         return planner.__wrapped__(0, config, dtype, dtype, is_ln, M, N, vec, peel=peel), built
 
 
@@ -529,6 +529,28 @@ def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
     sums = plan.launch["rowsums"]
     assert sums.block == (BWD.rowsums_tpr, 1) and sums.grid[0] <= M and "rowsums_merge" not in \
         plan.launch
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
+       st.integers(1, 1 << 17), WARPS, st.booleans(), st.booleans())
+@example("bfloat16", 37459, 3583, 32, False, True)
+@example("bfloat16", 2670, 50257, 32, False, False)
+@example("float16", 8, 3583, 32, False, True)
+@example("float32", 1000, 4099, 64, True, True)
+def test_fused_add_backward_rows_peeled_where_plain_rows_are(dt, M, N, warp, hip, is_ln):
+    """The fused add's backward peels exactly the rows the plain backward peels, with its plan
+    (variant, grid, block, launches), on kernels that add dresidual to dx; elsewhere it runs
+    unpeeled, as before."""
+    plain, _ = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True, is_ln=is_ln)
+    fused, built = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True, is_ln=is_ln,
+                                     residual=True)
+    assert fused.spec.residual and fused.spec.peeled == plain.spec.peeled
+    if plain.spec.peeled:
+        assert (fused.variant, fused.grid, fused.block, fused.spec.npt) == \
+            (plain.variant, plain.grid, plain.block, plain.spec.npt)
+        assert fused.launch.keys() == plain.launch.keys()
+        assert "cln::dresidual" in fused.kern.name and "cln::dresidual" not in plain.kern.name
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
@@ -972,21 +994,24 @@ class _Ptr(NamedTuple):
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 5000),
-       st.lists(st.tuples(st.integers(0, 63), st.integers(0, 40)), min_size=1, max_size=2),
-       st.one_of(st.none(), st.integers(0, 63)), st.integers(1, 8))
-def test_rows_peel_where_inputs_and_output_start_alike_row_after_row(dt, N, inputs, out_at,
-                                                                     vec):
+       st.lists(st.tuples(st.integers(0, 63), st.integers(0, 40)), min_size=1, max_size=3),
+       st.lists(st.one_of(st.none(), st.integers(0, 63)), min_size=1, max_size=2),
+       st.integers(1, 8))
+def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inputs, outs_at,
+                                                                      vec):
     """Narrower vectors than 16 bytes peel exactly where each input's row r starts at the same
-    offset within 16 bytes as the output's row r (rows of N; allocated: 256-byte aligned), for
-    every r: the rule the peeled kernels' heads rely on."""
+    offset within 16 bytes as each output's row r (rows of N; allocated: 256-byte aligned), for
+    every r: the rule the peeled kernels' heads rely on (the fused add: y and h, or dx; x, the
+    residual or dresidual, dy)."""
     from cupyln._passes import _peelable
 
     dtype = _dtype(dt)
     s, wide = dtype.itemsize, 16 // dtype.itemsize
     vec = min(vec, wide)
     arrays = [(_Arr(_Ptr(4096 + off * s)), N + pad) for off, pad in inputs]
-    out = None if out_at is None else _Arr(_Ptr(8192 + out_at * s))
-    at = 0 if out is None else out.data.ptr
+    outs = [None if at is None else _Arr(_Ptr(8192 + at * s)) for at in outs_at]
+    starts = [0 if o is None else o.data.ptr for o in outs]
     alike = all((a.data.ptr + r * ld * s - (at + r * N * s)) % 16 == 0
-                for a, ld in arrays for r in range(2 * wide))
-    assert _peelable(dtype, vec, N, arrays, out) == (vec < wide and alike)
+                for a, ld in arrays for at in starts for r in range(2 * wide))
+    alike = alike and all((b - starts[0]) % 16 == 0 for b in starts)
+    assert _peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
