@@ -109,19 +109,26 @@ class Spec(NamedTuple):
         return self._fwd_rows_names()
 
     def _fwd_peeled_names(self):
+        """Peeled rows of one chunk (the fused add's, h in x's dtype: kernels of their own,
+        never staged)."""
         t, w, op = self._types()
-        a = f"norm_fwd_peeled<{t}, {w}, {op}, {self.npt}, {self.warp}"
+        kern = "norm_fwd_peeled_add" if self.hdtype is not None else "norm_fwd_peeled"
+        a = f"{kern}<{t}, {w}, {op}, {self.npt}, {self.warp}"
         names = {"fwd_peeled": f"{a}>"}
         if self.npt == 1:  # few rows: gamma and beta read with the row
             names["fwd_peeled_early"] = f"{a}, cln::params_early>"
-        elif self.stages:  # rows past the resident blocks: the next row copied ahead
+        elif self.stages and self.hdtype is None:  # rows past the resident blocks: staged
             names["fwd_peeled_staged"] = f"{a}, cln::params_late, cln::staged>"
         return names
 
     def _fwd_peeled_parts_names(self):
-        """Peeled rows longer than one block, in parts over the grid, or (more rows) in chunks."""
-        base = self._vec_warp()
+        """Peeled rows longer than one block, in parts over the grid, or (more rows) in chunks
+        (the fused add's: in chunks)."""
         t, w, op = self._types()
+        if self.hdtype is not None:
+            return {"fwd_peeled_chunked":
+                    f"norm_fwd_peeled_add_chunked<{t}, {w}, {op}, {self.warp}>"}
+        base = self._vec_warp()
         return {"fwd_parts": f"norm_fwd_parts<{base}, cln::part_stats, cln::peeled>",
                 "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>",
                 "fwd_peeled_chunked": f"norm_fwd_peeled_chunked<{t}, {w}, {op}, {self.warp}>"}

@@ -117,7 +117,7 @@ class HotFwd(_Prepared):
         xp, gp, bp, resp, yp, mp, rp, hp = ptrs
         if (xp | yp) & self.xmask or (gp | bp) & self.wmask or (resp | hp) & self.hmask:
             return False
-        if self.peel and (xp ^ yp) & 15:
+        if self.peel and ((xp ^ yp) & 15 or self.add and ((xp ^ resp) & 15 or (xp ^ hp) & 15)):
             return False
         ldx, M, N, eps = self.consts
         add = (resp, self.ldr, hp) if self.add else ()
@@ -329,8 +329,9 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         if hdtype is not None:
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
-        y = out[0] if out else None
-        peel = hdtype is None and _peelable(x.dtype, vec, N, [(xr, ldx)], [y])
+        y, h = (out[0], out[-1] if hdtype is not None else None) if out else (None, None)
+        ins = [(xr, ldx)] + ([(r2, ldr)] if r2 is not None else [])
+        peel = _peelable(x.dtype, vec, N, ins, [y, h] if hdtype is not None else [y])
         plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
         hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:

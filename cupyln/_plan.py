@@ -156,10 +156,11 @@ def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
         if s.wide:
             for tpr in row_kernel_widths(cfg, s.warp, n):
                 yield s._replace(npt=n, tpr=tpr, row=True), "fwd"
-    if s.wide:  # narrower rows peeled
-        for n in PEEL_NPTS:
-            yield s._replace(npt=n, peeled=True), "fwd"
-        yield s._replace(npt=cfg.npt, peeled=True), "fwd_long"
+    if s.wide:  # narrower rows peeled (and the fused add's, h in x's dtype)
+        for h in (None, s.dtype):
+            for n in PEEL_NPTS:
+                yield s._replace(npt=n, peeled=True, hdtype=h), "fwd"
+            yield s._replace(npt=cfg.npt, peeled=True, hdtype=h), "fwd_long"
 
 
 def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
@@ -359,29 +360,30 @@ def _takes_row_kernel(cfg, info, g, dtype, M, N, vec):
 PEEL_NPTS = (1, 4, 8)  # the vectors per thread norm_fwd_peeled is built for (2: rows too short)
 
 
-def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
+def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     """Rows whose heads and tails are peeled off 16-byte vectors: the general geometry of their
     16-byte vectors, in one chunk of at least 2 * VEC threads (one per peeled element); rows
     longer than one chunk in parts over the grid where they are at most ``sms *
     peel_parts_rows``, else at 8 vectors per thread (staged where the rows outnumber the
     resident blocks), or in chunks where 8 do not hold the row or their unstaged block spills;
-    None elsewhere (narrow vectors then)."""
+    None elsewhere (narrow vectors then). ``hdtype``: the fused add's h, peeled where it is x's
+    dtype, on the same geometry but never staged or in parts."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
-    if not cfg.peel or N < 2 * vec:
+    if not cfg.peel or N < 2 * vec or hdtype not in (None, dtype):
         return None
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
-    if not g.fits and M <= min(info.sms * cfg.peel_parts_rows, 2**16 - 1):
+    if not g.fits and M <= min(info.sms * cfg.peel_parts_rows, 2**16 - 1) and hdtype is None:
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True)
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
                            N // vec * vec, _FWD_ARGS)
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp, 2 * info.sms)
     if not g.fits and cfg.peel_chunked:
-        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)
+        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True, hdtype=hdtype)
     kerns = _compile.kernels(spec, "fwd", config.source)
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
@@ -393,22 +395,27 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N):
         main, (smem, grid) = "fwd_peeled_staged", staged
     elif (cfg.peel_chunked and g.npt > cfg.npt
           and kernel_resource(kerns[main], "local_size_bytes") > cfg.peel_block_spill):
-        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M)
-    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
+    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M):
+def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype=None):
     """Peeled rows past one block of 8 vectors per thread (or of more than ``npt`` where that
     block spills), in chunks read twice: one row per block of ``tpr_max`` threads, the blocks
     looping over the rows."""
     cfg = config.fwd
     spec = Spec(dtype, wdtype, is_ln, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
-                peeled=True)
+                peeled=True, hdtype=hdtype)
     kern = _compile.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
     grid, block = (min(M, info.sms * cfg.grid_per_sm),), (cfg.tpr_max, 1)
-    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    launch = {"fwd": Launcher(kern, grid, block, 0, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, "fwd_peeled_chunked", kern, grid, block, 0, launch)
+
+
+def _fwd_kinds(dtype, hdtype):
+    """The forward kernels' argument kinds (the fused add's: and the residual, h)."""
+    return _kinds(_FWD_ARGS if hdtype is None else _FWD_ADD_ARGS, dtype)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -423,7 +430,8 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
 
 def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
     info, cfg = device_info(dev_id), config.fwd
-    peeled = _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N) if peel else None
+    peeled = _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype) if peel \
+        else None
     if peeled is not None:
         return peeled
     g = _fwd_row_geometry(cfg, info, M, N, vec)
@@ -514,8 +522,7 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
     if main + "_full" in kerns and cfg.full and N % (tiles * tpr * cfg.npt * vec) == 0:
         main += "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
-    args = _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS
-    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(args, dtype))}
+    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -595,7 +602,7 @@ def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     kerns = _compile.kernels(spec, "fwd", config.source)
     main = "fwd_add" if g.fits else "fwd_add_chunked"
     block = (g.tpr, g.rpb)
-    launch = {"fwd": Launcher(kerns[main], grid, block, 0, _kinds(_FWD_ADD_ARGS, dtype))}
+    launch = {"fwd": Launcher(kerns[main], grid, block, 0, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 

@@ -469,6 +469,15 @@ __device__ __forceinline__ void load_row_add(const T* __restrict__ x, const H* _
   }
 }
 
+// One element of the fused add's h = x + res, rounded to H and stored to *h as load_row_add
+// stores its vectors; returns it as stored.
+template <typename T, typename H>
+__device__ __forceinline__ typename Acc<H>::type add_elem(T x, H r, H* __restrict__ h) {
+  const H v = Store<H>::cvt(to_acc(x) + to_acc(r));
+  *h = v;
+  return to_acc(v);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reductions. A row belongs to `tpr` consecutive threads of a block (blockDim.x == tpr): a power
 // of two up to WARP, or a multiple of WARP (then blockDim.y rows share the block's warps in

@@ -302,10 +302,13 @@ template <int VEC> struct PeeledVec<cl_half, VEC, 8> { typedef Pack<cl_half, VEC
 // row's middle copied ahead (cp.async) into one of two buffers of [NPT][threads] packs in
 // dynamic shared memory, so that its loads overlap this row's reductions and stores; each pass
 // reads the row from its buffer (SmemRow), no registers held for it.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
-          bool STAGE = false>
-__global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
+// ADD: the fused residual add, h in T (res's and h's rows start alike with x's within 16 bytes,
+// the host's rule): each row's h = x + res stored and normalized as stored, never staged.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY, bool STAGE, bool ADD>
+__device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restrict__ res,
+                                                cl_i64 ldr, T* __restrict__ hout) {
   static_assert(!EARLY || NPT == 1, "early parameters: one vector per thread");
+  static_assert(!(ADD && STAGE), "the fused add: rows never staged");
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T);
   const C inv_n = cl_inv_count(C(0), N);
@@ -338,11 +341,20 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
     // this thread's peeled element: head element t, or tail element t - VEC
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
-    const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    C ex;
+    if constexpr (ADD) {
+      const T* rr = res + (valid ? row : 0) * ldr;
+      ex = has_e ? add_elem(xr[ec], rr[ec], hout + row * N + ec) : C(0);
+    } else {
+      ex = has_e ? to_acc(xr[ec]) : C(0);
+    }
     // STAGED: the row's packs stay in shared memory, read by each pass (this thread's slots)
     const SmemRow<P> sp{stage + (phase & 1) * NPT * threads + threadIdx.y * blockDim.x + t,
                         threads};
-    if constexpr (STAGED) {
+    if constexpr (ADD) {
+      load_row_add<VEC, NPT>(xr + head, res + (valid ? row : 0) * ldr + head,
+                             hout + row * N + head, 0, mid, valid, p);
+    } else if constexpr (STAGED) {
       prefetch(row + step, (phase + 1) & 1);
       async_wait<1>();  // this row's copies have landed; the next row's stay in flight
     } else {
@@ -400,14 +412,29 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
   if constexpr (STAGED) async_wait<0>();
 }
 
+template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
+          bool STAGE = false>
+__global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
+  fwd_peeled_rows<T, W, LN, NPT, WARP, EARLY, STAGE, false>(CLN_FWD_ARGS, nullptr, 0, nullptr);
+}
+
+template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false>
+__global__ void __launch_bounds__(1024)
+norm_fwd_peeled_add(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ldr,
+                    T* __restrict__ hout) {
+  fwd_peeled_rows<T, W, LN, NPT, WARP, EARLY, false, true>(CLN_FWD_ARGS, res, ldr, hout);
+}
+
 // Peeled rows longer than one block of 8 vectors per thread, more of them than parts over the
 // grid take (the planner's choice where narrow vectors would otherwise run the whole row): each
 // row's head and tail peeled as norm_fwd_peeled's, its middle read in chunks of NPT 16-byte
 // vectors per thread twice, as norm_fwd_chunked reads rows whose vectors fit: each chunk's
 // statistics (chunk 0's with the peeled elements) merged by Chan's formula, then y (the second
-// read mostly from L2). One row per block; blockDim.x >= 2 * VEC.
-template <typename T, typename W, bool LN, int WARP>
-__global__ void __launch_bounds__(1024) norm_fwd_peeled_chunked(CLN_FWD_PARAMS) {
+// read mostly from L2). One row per block; blockDim.x >= 2 * VEC. ADD: as fwd_peeled_rows', the
+// second read of h as this thread stored it.
+template <typename T, typename W, bool LN, int WARP, bool ADD>
+__device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __restrict__ res,
+                                                  cl_i64 ldr, T* __restrict__ hout) {
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T), NPT = 4;
   const int t = threadIdx.x;
@@ -421,13 +448,21 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled_chunked(CLN_FWD_PARAMS) 
     const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);  // as norm_fwd_peeled's
     const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
-    const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    C ex;
+    if constexpr (ADD)
+      ex = has_e ? add_elem(xr[ec], res[row * ldr + ec], hout + row * N + ec) : C(0);
+    else
+      ex = has_e ? to_acc(xr[ec]) : C(0);
     const int chunks = (int)((mid + chunk - 1) / chunk);
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < chunks; ++c, ++phase) {
       const cl_i64 c0 = c * chunk, left = mid - c0;
       const C cnt = (C)((left < chunk ? left : chunk) + (c == 0 ? N - mid : 0));
-      load_row<VEC, NPT>(xr + head, c0, mid, true, p);
+      if constexpr (ADD)
+        load_row_add<VEC, NPT>(xr + head, res + row * ldr + head, hout + row * N + head, c0, mid,
+                               true, p);
+      else
+        load_row<VEC, NPT>(xr + head, c0, mid, true, p);
       C cn = C(0), cmean = C(0), cm2 = C(0);
       chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(
           p, c0, c0, mid, chunk, phase, C(1) / cnt, cn, cmean, cm2, ex, has_e && c == 0);
@@ -440,12 +475,25 @@ __global__ void __launch_bounds__(1024) norm_fwd_peeled_chunked(CLN_FWD_PARAMS) 
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
+    const T* back = ADD ? hout + row * N : xr;  // h, as this thread stored it
     for (int c = 0; c < chunks; ++c) {
-      load_row<VEC, NPT>(xr + head, c * chunk, mid, true, p);
+      load_row<VEC, NPT>(back + head, c * chunk, mid, true, p);
       write_peeled<VEC, NPT>(p, c * chunk, mid, head, ex, ec, has_e && c == 0, mu, rstd, gamma,
                              beta, y + row * N);
     }
   }
+}
+
+template <typename T, typename W, bool LN, int WARP>
+__global__ void __launch_bounds__(1024) norm_fwd_peeled_chunked(CLN_FWD_PARAMS) {
+  fwd_peeled_chunks<T, W, LN, WARP, false>(CLN_FWD_ARGS, nullptr, 0, nullptr);
+}
+
+template <typename T, typename W, bool LN, int WARP>
+__global__ void __launch_bounds__(1024)
+norm_fwd_peeled_add_chunked(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ldr,
+                            T* __restrict__ hout) {
+  fwd_peeled_chunks<T, W, LN, WARP, true>(CLN_FWD_ARGS, res, ldr, hout);
 }
 
 // The fused residual add (fwd_rows' ADD), h in H: rows of one chunk, NPT vectors per thread,

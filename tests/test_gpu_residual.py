@@ -147,25 +147,27 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
 def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
     """The fused add on rows whose 16-byte vectors do not fit as they are (odd N, row strides
     ``extra`` elements longer) matches the reference with the rows' heads and tails peeled off
-    and without; the backward's peeled kernels (dresidual added to dx) run where dy's, h's,
-    dresidual's and dx's rows start alike within 16 bytes, as the plain backward's do."""
+    and without. The peeled kernels run as the plain passes' do, where the rows of every input
+    and output start alike within 16 bytes: the forward's where h is x's dtype (residual added
+    to x, h stored), the backward's (dresidual added to dx) for any h."""
     from cupyln import _plan
 
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
-    H = hdt or dt
-    wide = 16 // H.itemsize
-    alike = extra % wide == 0 and N % wide != 0 and N >= 2 * wide
     sms = _plan.device_info(cp.cuda.Device().id).sms
-    tiles = N // wide > 1024 and M > sms * cupyln.BwdConfig().parts_rows
-    long = 64 <= N // wide <= 1024 or tiles
-    plans.spy("bwd")
-    for peel in (True, False):
-        plans.replan(bwd_peel=peel, **({"bwd_peel_rows": 0} if peel else {}))
-        run_fused(op, M, N, dt, wdt, hdt, layout=layout, config=plans.config)
-        peeled = [p.variant.startswith("bwd_peeled") for p in plans]
-        assert plans and (all(peeled) if peel and alike and long
-                          else not any(peeled) if not (peel and alike) else True), peeled
-        assert all(p.spec.residual for p in plans)
+    for pass_, dtype in (("fwd", dt), ("bwd", hdt or dt)):
+        wide = 16 // dtype.itemsize
+        alike = extra % wide == 0 and N % wide != 0 and N >= 2 * wide
+        tiles = N // wide > 1024 and M > sms * cupyln.BwdConfig().parts_rows
+        long = N // wide >= 8 * wide if pass_ == "fwd" else 64 <= N // wide <= 1024 or tiles
+        plans.spy(pass_)
+        for peel in (True, False):
+            plans.replan(**{f"{pass_}_peel": peel}, **({"bwd_peel_rows": 0} if peel else {}))
+            run_fused(op, M, N, dt, wdt, hdt, layout=layout, config=plans.config)
+            peeled = [p.variant.startswith(f"{pass_}_peeled") for p in plans]
+            can = peel and alike and (pass_ == "bwd" or hdt is None)
+            assert plans and (all(peeled) if can and long else True if can
+                              else not any(peeled)), peeled
+        plans.monkeypatch.undo()
 
 
 # The backward's variants, each reached by its config: rows in a block with partials or atomics,

@@ -167,10 +167,10 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
             mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
             mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
-        if hdtype is not None:
-            return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, True, M, N,
-                                              add_vec(dtype, vec), hdtype), built
         peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
+        if hdtype is not None:
+            return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, is_ln, M, N,
+                                              add_vec(dtype, vec), hdtype, peel), built
         if residual:
             return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, is_ln, M, N,
                                               add_vec(dtype, vec), True, peel), built
@@ -530,6 +530,42 @@ def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
     assert sums.block == (BWD.rowsums_tpr, 1) and sums.grid[0] <= M and "rowsums_merge" not in \
         plan.launch
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
+       st.integers(1, 1 << 17), WARPS, st.booleans(), st.booleans(), st.booleans())
+@example("bfloat16", 37459, 3583, 32, False, True, False)
+@example("bfloat16", 2670, 50257, 32, False, True, False)
+@example("float16", 8, 3583, 32, False, True, False)
+@example("float16", 8, 3583, 32, False, True, True)
+@example("bfloat16", 64, 1048575, 32, False, False, False)
+@example("float32", 300, 20001, 64, True, True, False)
+def test_fused_add_rows_peeled_where_plain_rows_are(dt, M, N, warp, hip, is_ln, f32_h):
+    """The fused add's forward peels the rows the plain forward peels where h is x's dtype
+    (never for a float32 h of 16-bit rows): the plain plan where that is one block of direct
+    rows or chunks; the same block unstaged where the plain rows stage; one block of 8 vectors
+    per thread, or chunks, where the plain rows go in parts. Its kernels add the residual."""
+    dtype = _dtype(dt)
+    hdtype = np.dtype("float32") if f32_h and dtype.itemsize == 2 else dtype
+    plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, peel=True, is_ln=is_ln)
+    fused, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, peel=True, is_ln=is_ln,
+                                     hdtype=hdtype)
+    assert fused.spec.hdtype == hdtype
+    assert fused.spec.peeled == (plain.spec.peeled and hdtype == dtype)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    if not fused.spec.peeled:
+        return
+    assert "_add" in fused.kern.name and fused.launch.keys() == {"fwd"}
+    if plain.variant in ("fwd_peeled", "fwd_peeled_early", "fwd_peeled_chunked"):
+        assert (fused.variant, fused.grid, fused.block, fused.spec.npt) == \
+            (plain.variant, plain.grid, plain.block, plain.spec.npt)
+    elif plain.variant == "fwd_peeled_staged":
+        assert (fused.variant, fused.block, fused.spec.npt, fused.smem) == \
+            ("fwd_peeled", plain.block, plain.spec.npt, 0)
+    else:
+        assert plain.variant == "fwd_peeled_parts"
+        assert fused.variant == "fwd_peeled_chunked" or \
+            (fused.variant, fused.spec.npt) == ("fwd_peeled", 8)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
