@@ -30,7 +30,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("rmsnorm", 33, 1000, "float16", None),
     ("layernorm", 3, 140000, "float16", None),       # forward parts or cluster; row sums + tiles
     ("rmsnorm", 2, 600000, "bfloat16", None),        # forward parts, or a cluster in chunks
-    ("layernorm", 2, 70001, "float32", None),        # single elements: a block per row
+    ("layernorm", 2, 70001, "float32", None),        # odd, few: peeled row sums in parts
     ("layernorm", 1, 140000, "bfloat16", None),      # one row of blocks writes dgamma/dbeta
     ("layernorm", 37, 3583, "float16", None),        # forward rows peeled (odd N), few: early
     ("layernorm", 150, 3583, "bfloat16", "float32"),  # gamma and beta; more rows: late

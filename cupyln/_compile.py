@@ -196,6 +196,10 @@ class Spec(NamedTuple):
         return {"reduce": f"norm_bwd_reduce<{acc}, {w}>",
                 "reduce_cols": f"norm_bwd_reduce_cols<{acc}, {w}>"}
 
+    def _rowsums_merge(self):
+        """The sum of long rows' row sums in parts."""
+        return f"norm_bwd_rowsums_merge<{CTYPES[ACC_DTYPES[self.dtype]]}, {self.warp}>"
+
     def _bwd_head(self):
         """The leading template arguments of the kernels whose vector width follows the type."""
         t, w, op = self._types()
@@ -222,8 +226,12 @@ class Spec(NamedTuple):
         if pass_ == "bwd":
             return {"bwd_peeled": f"{peeled}, cln::row_blocks{add}>" if add else f"{peeled}>",
                     "reduce": reduce}
+        rowsums = f"norm_bwd_rowsums<{self._args()}, 1"
         return {"bwd_peeled_tiles": f"{peeled}, cln::col_tiles{add}>",
-                "rowsums": f"norm_bwd_rowsums<{self._args()}, 1, cln::whole_rows, cln::peeled>",
+                "rowsums": f"{rowsums}, cln::whole_rows, cln::peeled>",
+                # few rows: their sums in parts over the grid, then added
+                "rowsums_parts": f"{rowsums}, cln::in_parts, cln::peeled>",
+                "rowsums_merge": self._rowsums_merge(),
                 "reduce": reduce}
 
     def _bwd_row_names(self):
@@ -258,9 +266,8 @@ class Spec(NamedTuple):
             return {k: v for k, v in names.items()
                     if (self.wide and k.startswith("bwd_cluster")) or k.startswith("reduce")}
         if self.wide:  # few long rows in parts over the grid
-            acc = CTYPES[ACC_DTYPES[self.dtype]]
             names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
-            names["rowsums_merge"] = f"norm_bwd_rowsums_merge<{acc}, {self.warp}>"
+            names["rowsums_merge"] = self._rowsums_merge()
         return names
 
     def __str__(self):

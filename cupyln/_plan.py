@@ -667,18 +667,16 @@ def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
 def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
-    ``peel_rows`` rows; rows longer than one block on column tiles after their row sums, where
-    they are more than ``sms * parts_rows`` (fewer: narrow vectors, whose row sums go in parts
-    over the grid). None elsewhere (narrow vectors then). ``residual``: the same plans on the
-    kernels that add the fused add's dresidual to dx."""
+    ``peel_rows`` rows; rows longer than one block on column tiles after their row sums (those
+    of at most ``sms * parts_rows`` rows in parts over the grid). None elsewhere (narrow
+    vectors then). ``residual``: the same plans on the kernels that add the fused add's
+    dresidual to dx."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
     if not g.fits:
-        if M <= info.sms * cfg.parts_rows:
-            return None
         g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
     if g.tpr < 2 * vec:
         return None

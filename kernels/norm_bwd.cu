@@ -891,9 +891,9 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 // r + CL, ..., their sums added through the cluster, so that few rows still keep CL SMs each
 // streaming. PARTS (few rows, any device): block (row, p) reads chunks p, p + gridDim.y, ... and
 // writes its sums to rowsums[row][p] (gridDim.y parts per row), which norm_bwd_rowsums_merge adds.
-// PEEL (one row per block): rows peeled as norm_bwd_peeled's tiles take them, the middle in
-// 16-byte vectors (VEC) from each row's head, the head and tail one element per thread of the
-// first 2 * VEC.
+// PEEL (one row per block, or in parts): rows peeled as norm_bwd_peeled's tiles take them, the
+// middle in 16-byte vectors (VEC) from each row's head, the head and tail one element per thread
+// of the first 2 * VEC (of part 0).
 template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1,
           bool PARTS = false, bool PEEL = false>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
@@ -903,7 +903,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
                  cl_i64 M, cl_i64 N) {
   typedef typename Acc<T>::type C;
   static_assert(CL == 1 || !PARTS, "a row over a cluster or in parts");
-  static_assert(!PEEL || (CL == 1 && !PARTS && VEC * sizeof(T) == 16), "peeled: a row a block");
+  static_assert(!PEEL || (CL == 1 && VEC * sizeof(T) == 16), "peeled: no cluster");
   constexpr int SLOTS = cluster_slots<CL, WARP, 1024>();
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, SLOTS, 2, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
@@ -947,7 +947,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
     if constexpr (PEEL) {  // the head's and tail's elements
       const int t = threadIdx.x;
       const cl_i64 ec = t < VEC ? t : head + end + (t - VEC);
-      if (t < VEC ? t < head : t < 2 * VEC && ec < N) {
+      if ((t < VEC ? t < head : t < 2 * VEC && ec < N) && (!PARTS || blockIdx.y == 0)) {
         const C gj = (gamma ? to_acc(gamma[ec]) : C(1)) * to_acc(dyr[ec]);
         s[0] += gj;
         s[1] += gj * ((to_acc(xr[ec]) - mu) * rs);

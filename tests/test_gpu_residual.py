@@ -150,14 +150,11 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
     and without. The peeled kernels run as the plain passes' do, where the rows of every input
     and output start alike within 16 bytes: the forward's where h is x's dtype (residual added
     to x, h stored), the backward's (dresidual added to dx) for any h."""
-    from cupyln import _plan
-
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
-    sms = _plan.device_info(cp.cuda.Device().id).sms
     for pass_, dtype in (("fwd", dt), ("bwd", hdt or dt)):
         wide = 16 // dtype.itemsize
         alike = extra % wide == 0 and N % wide != 0 and N >= 2 * wide
-        tiles = N // wide > 1024 and M > sms * cupyln.BwdConfig().parts_rows
+        tiles = N // wide > 1024
         long = N // wide >= 8 * wide if pass_ == "fwd" else 64 <= N // wide <= 1024 or tiles
         plans.spy(pass_)
         for peel in (True, False):

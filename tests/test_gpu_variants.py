@@ -655,22 +655,21 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
     (64, 17, F16, F16, 0), (3, 33, F32, F32, 0), (70, 4100, BF16, BF16, 0),
     (40, 3583, F16, F16, 8), (40, 3583, F16, F16, 1), (9, 1001, F32, F32, 4),
     (1, 3583, BF16, F32, 0), (100, 20001, F32, F32, 0), (67, 50257, F16, F32, 8),
-    (80, 16001, F64, F64, 0), (600, 9001, F16, F32, 0)])
+    (80, 16001, F64, F64, 0), (600, 9001, F16, F32, 0), (2, 300001, F16, F16, 0),
+    (9, 131071, BF16, F32, 8)])
 def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
     """Rows on which 16-byte vectors do not fit as they are (odd N, row strides ``extra``
     elements longer) match the reference with their heads and tails peeled off, and without,
     forward and backward (dx, or the parameters' gradients alone, deterministic); the peeled
     kernels run exactly where x's (dy's) and y's (dx's) rows start alike within 16 bytes and
     the row is long enough and fits one chunk (the forward: or its rows are few, in parts; the
-    backward: one block, or column tiles for more rows than the row sums in parts take)."""
-    from cupyln import _plan
+    backward: one block, or column tiles after the row sums, those of few rows in parts)."""
 
     case = inputs(M, N, dt, wdt)
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     wide = 16 // dt.itemsize
     alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
-    sms = _plan.device_info(cp.cuda.Device().id).sms
-    tiles = N // wide > 1024 and M > sms * cupyln.BwdConfig().parts_rows
+    tiles = N // wide > 1024
     for pass_, long in (("fwd", N // wide >= 8 * wide),
                         ("bwd", 64 <= N // wide <= 1024 or tiles)):
         plans.spy(pass_)
