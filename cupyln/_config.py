@@ -188,6 +188,11 @@ class BwdConfig:
     # us; 4096x777 f64, 15: 45.1 against 47.6; 37460x3583 bf16: 349 against 941).
     peel: bool = True
     peel_rows: int = 8
+    # Peeled rows longer than one block, on column tiles, where each row of tiles takes at
+    # least `peel_tile_rows` rows (or is alone): its partials, 2N floats, cost few rows more
+    # than their reads (H100, against narrow vectors: 8x131071 bf16 55.6 against 34.3 us,
+    # 3x1048575 129.6 / 86.4; 64x1048575 427.6 / 730.1, 66x50257 f16 48.4 / 53.6).
+    peel_tile_rows: int = 4
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

@@ -668,9 +668,9 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
     ``peel_rows`` rows; rows longer than one block on column tiles after their row sums (those
-    of at most ``sms * parts_rows`` rows in parts over the grid). None elsewhere (narrow
-    vectors then). ``residual``: the same plans on the kernels that add the fused add's
-    dresidual to dx."""
+    of at most ``sms * parts_rows`` rows in parts over the grid), where each row of tiles
+    takes ``peel_tile_rows`` rows or is alone. None elsewhere (narrow vectors then).
+    ``residual``: the same plans on the kernels that add the fused add's dresidual to dx."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec:
@@ -690,7 +690,9 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
         return None
     if grid < M:  # every block's rows share one head: its sums keep their columns
         period = vec // math.gcd(N, vec)
-        grid = max(period, grid // period * period)
+        grid = min(M, max(period, grid // period * period))
+    if not g.fits and 1 < grid and M < cfg.peel_tile_rows * grid:
+        return None  # the tiles' partials would cost more than their rows
     launch = {} if g.fits else _rowsums_launchers(info, cfg, kerns, M, N, spec)
     launch["bwd"] = Launcher(kerns[main], (grid, tiles), (g.tpr, 1), 0, _BWD_ARGS)
     if grid > 1:

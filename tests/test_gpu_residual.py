@@ -3,7 +3,18 @@ dtypes, geometries and the backward's variants (marked `gpu`)."""
 
 import numpy as np
 import pytest
-from gpu_cases import BF16, F16, F32, F64, LAYOUTS, PAIRS, assert_close, host, padded
+from gpu_cases import (
+    BF16,
+    F16,
+    F32,
+    F64,
+    LAYOUTS,
+    PAIRS,
+    PEEL_FEW,
+    assert_close,
+    host,
+    padded,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import BOUNDARY_N
@@ -158,7 +169,7 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
         long = N // wide >= 8 * wide if pass_ == "fwd" else 64 <= N // wide <= 1024 or tiles
         plans.spy(pass_)
         for peel in (True, False):
-            plans.replan(**{f"{pass_}_peel": peel}, **({"bwd_peel_rows": 0} if peel else {}))
+            plans.replan(**{f"{pass_}_peel": peel}, **(PEEL_FEW if peel else {}))
             run_fused(op, M, N, dt, wdt, hdt, layout=layout, config=plans.config)
             peeled = [p.variant.startswith(f"{pass_}_peeled") for p in plans]
             can = peel and alike and (pass_ == "bwd" or hdt is None)

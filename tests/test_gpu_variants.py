@@ -11,6 +11,7 @@ from gpu_cases import (
     F64,
     LAYOUTS,
     PAIRS,
+    PEEL_FEW,
     assert_close,
     check_case,
     inputs,
@@ -674,8 +675,7 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
                         ("bwd", 64 <= N // wide <= 1024 or tiles)):
         plans.spy(pass_)
         for peel in (True, False):
-            # the backward's kernel on few rows too (the planner's rule: CPU-tested)
-            plans.replan(**{f"{pass_}_peel": peel}, **({"bwd_peel_rows": 0} if peel else {}))
+            plans.replan(**{f"{pass_}_peel": peel}, **(PEEL_FEW if peel else {}))
             check_case(op, *case, layout=layout, config=plans.config)
             check_case(op, *case, layout=layout, config=plans.config, deterministic=True,
                        need=(False, True, op == "ln"))
