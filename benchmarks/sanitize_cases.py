@@ -87,7 +87,9 @@ for op, M, N, dt, wdt in CASES:
                                       **resident),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
-                                      peel_rows=8 if csum else 0))  # peeled rows: few too
+                                      # peeled rows: few too
+                                      peel_rows=8 if csum else 0,
+                                      peel_tile_rows=4 if csum else 0))
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
                             fused=fused)
         cp.cuda.Device().synchronize()

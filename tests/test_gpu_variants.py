@@ -839,7 +839,7 @@ def test_peeled_backward_gamma_misaligned(plans, dt, wdt, N):
     x_h, dy_h, g_h, _ = inputs(600 if N < 4096 else 200, N, dt, wdt)
     x, dy = cp.asarray(x_h), cp.asarray(dy_h)
     _, rstd = cupyln.rms_norm_fwd(x, cp.asarray(g_h))
-    plans.replan(bwd_peel_rows=0)
+    plans.replan(**PEEL_FEW)
     plans.spy("bwd")
     got = []
     for shift in (0, 1):
