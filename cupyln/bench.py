@@ -504,17 +504,22 @@ SWEEP = [("layernorm", 2**27 // n, n, "bfloat16")
     [("rmsnorm", 2**27 // n, n, "bfloat16") for n in ODD_N]
 
 
+def jobs(shapes, sweep=()):
+    """(shape, with the fused add) of one run: the list's shapes with the fused add, then the
+    sweep's others, whose fused add runs at the odd lengths alone (its peeled rows)."""
+    return [(s, True) for s in shapes] + [(s, s[2] in ODD_N) for s in sweep if s not in shapes]
+
+
 def run(shapes, progress=True, sweep=()):
     torch, liger = _torch(), _liger()
     copy = copy_bandwidth()
     rows = []
-    jobs = [(s, True) for s in shapes] + [(s, False) for s in sweep if s not in shapes]
-    it = jobs
+    it = jobs(shapes, sweep)
     if progress:
         try:
             from tqdm import tqdm
 
-            it = tqdm(jobs, desc="benchmark", unit="shape")
+            it = tqdm(it, desc="benchmark", unit="shape")
         except ImportError:  # tqdm comes with the bench extra
             pass
     for (op, M, N, dt), with_add in it:

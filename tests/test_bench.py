@@ -106,6 +106,15 @@ def test_spills_reads_ptxas_report_and_tells_what_changed(monkeypatch, capsys):
     assert now and int(now.group(2)) <= 32 < int(now.group(1)), out
 
 
+def test_the_fused_add_runs_on_the_list_and_the_sweeps_odd_lengths():
+    shapes = bench.load_shapes()
+    runs = bench.jobs(shapes, bench.SWEEP)
+    assert [s for s, _ in runs[: len(shapes)]] == shapes and all(a for _, a in runs[: len(shapes)])
+    sweep = runs[len(shapes):]
+    assert {s for s, _ in sweep} == set(bench.SWEEP) - set(shapes)
+    assert all(add == (s[2] in bench.ODD_N) for s, add in sweep) and any(a for _, a in sweep)
+
+
 def test_plot_draws_the_sweep_with_its_odd_lengths(tmp_path):
     """The plot's three panels from a result holding the sweep's rows, odd lengths included
     (their rows peeled or narrow, drawn apart from the powers of two)."""
