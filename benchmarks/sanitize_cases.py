@@ -78,13 +78,13 @@ for op, M, N, dt, wdt in CASES:
     for det, atomic, stage, csum, fused in VARIANTS:
         # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid
-        # (forward; backward row sums), or without csum not
+        # (forward, the fused add's too; backward row sums), or without csum not
         parts = 2.0 if csum else 0
         # rows held in a cluster's shared memory for any M, without csum in short rings, and
         # peeled rows past one block of 4 vectors per thread not in parts: 8 vectors or chunks
         resident = {} if csum else dict(resident_rows=0, resident_slots=9, peel_parts_rows=0)
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, cluster_long_min_rows=0,
-                                      **resident),
+        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, parts_rows_add=parts,
+                                      cluster_long_min_rows=0, **resident),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       # peeled rows: few too

@@ -123,15 +123,17 @@ class Spec(NamedTuple):
 
     def _fwd_peeled_parts_names(self):
         """Peeled rows longer than one block, in parts over the grid, or (more rows) in chunks
-        (the fused add's: in chunks)."""
+        (the fused add's: kernels of their own, h in x's dtype)."""
         t, w, op = self._types()
         if self.hdtype is not None:
-            return {"fwd_peeled_chunked":
-                    f"norm_fwd_peeled_add_chunked<{t}, {w}, {op}, {self.warp}>"}
-        base = self._vec_warp()
-        return {"fwd_parts": f"norm_fwd_parts<{base}, cln::part_stats, cln::peeled>",
-                "fwd_apply": f"norm_fwd_parts<{base}, cln::part_apply, cln::peeled>",
-                "fwd_peeled_chunked": f"norm_fwd_peeled_chunked<{t}, {w}, {op}, {self.warp}>"}
+            parts = f"norm_fwd_add_parts<{t}, {w}, {t}, {op}, {self.vec}, {self.warp}"
+            chunked = f"norm_fwd_peeled_add_chunked<{t}, {w}, {op}, {self.warp}>"
+        else:
+            parts = f"norm_fwd_parts<{self._vec_warp()}"
+            chunked = f"norm_fwd_peeled_chunked<{t}, {w}, {op}, {self.warp}>"
+        return {"fwd_parts": f"{parts}, cln::part_stats, cln::peeled>",
+                "fwd_apply": f"{parts}, cln::part_apply, cln::peeled>",
+                "fwd_peeled_chunked": chunked}
 
     def _fwd_cluster_names(self):
         """Rows split over a cluster, in one chunk (longer ones: in parts)."""

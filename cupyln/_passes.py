@@ -318,18 +318,13 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
                                                           k, N)
         as_is = g2 is gamma and b2 is beta and xr is x and r2 is residual
-        ptrs = [(xr.data.ptr, x.itemsize)]
-        ptrs += [(p.data.ptr, p.itemsize) for p in (g2, b2) if p is not None]
-        # y and h (the statistics are not vectors)
-        ptrs += [(o.data.ptr, o.itemsize) for o in (out or ())[:1] + (out or ())[-1:]
-                 if o is not None and o.ndim == x.ndim]
-        if r2 is not None:
-            ptrs.append((r2.data.ptr, r2.itemsize))
+        # the given y and h (the statistics are not vectors)
+        y, h = (out[0], out[-1] if hdtype is not None else None) if out else (None, None)
+        ptrs = [(p.data.ptr, p.itemsize) for p in (xr, g2, b2, y, h, r2) if p is not None]
         vec = vec_width(x.dtype, N, (ldx,) + ((ldr,) if r2 is not None else ()), ptrs)
         if hdtype is not None:
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
-        y, h = (out[0], out[-1] if hdtype is not None else None) if out else (None, None)
         ins = [(xr, ldx)] + ([(r2, ldr)] if r2 is not None else [])
         peel = _peelable(x.dtype, vec, N, ins, [y, h] if hdtype is not None else [y])
         plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)

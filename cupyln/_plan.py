@@ -364,19 +364,21 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     """Rows whose heads and tails are peeled off 16-byte vectors: the general geometry of their
     16-byte vectors, in one chunk of at least 2 * VEC threads (one per peeled element); rows
     longer than one chunk in parts over the grid where they are at most ``sms *
-    peel_parts_rows``, else at 8 vectors per thread (staged where the rows outnumber the
-    resident blocks), or in chunks where 8 do not hold the row or their unstaged block spills;
-    None elsewhere (narrow vectors then). ``hdtype``: the fused add's h, peeled where it is x's
-    dtype, on the same geometry but never staged or in parts."""
+    peel_parts_rows`` (the fused add's: ``parts_rows_add``), else at 8 vectors per thread
+    (staged where the rows outnumber the resident blocks), or in chunks where 8 do not hold the
+    row or their unstaged block spills; None elsewhere (narrow vectors then). ``hdtype``: the
+    fused add's h, peeled where it is x's dtype, on the same geometry but never staged."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec or hdtype not in (None, dtype):
         return None
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
-    if not g.fits and M <= min(info.sms * cfg.peel_parts_rows, 2**16 - 1) and hdtype is None:
-        spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True)
+    rows = cfg.peel_parts_rows if hdtype is None else cfg.parts_rows_add
+    if not g.fits and M <= min(info.sms * rows, 2**16 - 1):
+        spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True,
+                    hdtype=hdtype)
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
-                           N // vec * vec, _FWD_ARGS)
+                           N // vec * vec, _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS)
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp, 2 * info.sms)
     if not g.fits and cfg.peel_chunked:

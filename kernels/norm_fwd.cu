@@ -341,19 +341,18 @@ __device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restr
     // this thread's peeled element: head element t, or tail element t - VEC
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
+    const T* rr = ADD ? res + (valid ? row : 0) * ldr : nullptr;  // the row's residual and h
+    T* hr = ADD ? hout + row * N : nullptr;
     C ex;
-    if constexpr (ADD) {
-      const T* rr = res + (valid ? row : 0) * ldr;
-      ex = has_e ? add_elem(xr[ec], rr[ec], hout + row * N + ec) : C(0);
-    } else {
+    if constexpr (ADD)
+      ex = has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
+    else
       ex = has_e ? to_acc(xr[ec]) : C(0);
-    }
     // STAGED: the row's packs stay in shared memory, read by each pass (this thread's slots)
     const SmemRow<P> sp{stage + (phase & 1) * NPT * threads + threadIdx.y * blockDim.x + t,
                         threads};
     if constexpr (ADD) {
-      load_row_add<VEC, NPT>(xr + head, res + (valid ? row : 0) * ldr + head,
-                             hout + row * N + head, 0, mid, valid, p);
+      load_row_add<VEC, NPT>(xr + head, rr + head, hr + head, 0, mid, valid, p);
     } else if constexpr (STAGED) {
       prefetch(row + step, (phase + 1) & 1);
       async_wait<1>();  // this row's copies have landed; the next row's stay in flight
@@ -448,9 +447,11 @@ __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __res
     const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);  // as norm_fwd_peeled's
     const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
+    const T* rr = ADD ? res + row * ldr : nullptr;  // the row's residual and h
+    T* hr = ADD ? hout + row * N : nullptr;
     C ex;
     if constexpr (ADD)
-      ex = has_e ? add_elem(xr[ec], res[row * ldr + ec], hout + row * N + ec) : C(0);
+      ex = has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
     else
       ex = has_e ? to_acc(xr[ec]) : C(0);
     const int chunks = (int)((mid + chunk - 1) / chunk);
@@ -459,8 +460,7 @@ __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __res
       const cl_i64 c0 = c * chunk, left = mid - c0;
       const C cnt = (C)((left < chunk ? left : chunk) + (c == 0 ? N - mid : 0));
       if constexpr (ADD)
-        load_row_add<VEC, NPT>(xr + head, res + row * ldr + head, hout + row * N + head, c0, mid,
-                               true, p);
+        load_row_add<VEC, NPT>(xr + head, rr + head, hr + head, c0, mid, true, p);
       else
         load_row<VEC, NPT>(xr + head, c0, mid, true, p);
       C cn = C(0), cmean = C(0), cm2 = C(0);
@@ -475,7 +475,7 @@ __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __res
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
-    const T* back = ADD ? hout + row * N : xr;  // h, as this thread stored it
+    const T* back = ADD ? hr : xr;  // h, as this thread stored it
     for (int c = 0; c < chunks; ++c) {
       load_row<VEC, NPT>(back + head, c * chunk, mid, true, p);
       write_peeled<VEC, NPT>(p, c * chunk, mid, head, ex, ec, has_e && c == 0, mu, rstd, gamma,
@@ -645,14 +645,18 @@ __device__ __forceinline__ void merge_parts(const C* __restrict__ pr, int G, F c
 // One part of a peeled row (fwd_parts' PEEL; xr, yr and pr: the row's x, y and parts): the
 // statistics of part blockIdx.x, as one chunk's, of its vectors (from column head + t0 of the
 // middle) and, in part 0, of the head's and tail's elements; or (APPLY) the row's statistics
-// from its parts and y of the part's elements, gamma and beta read per element.
-template <bool APPLY, bool LN, int WARP, int VEC, int NPT, typename T, typename W, typename C>
+// from its parts and y of the part's elements, gamma and beta read per element. ADD (rr, hr:
+// the row's residual and h, which start as x's within 16 bytes): the first launch stores h =
+// x + residual, the second reads h back.
+template <bool APPLY, bool LN, int WARP, int VEC, int NPT, bool ADD, typename T, typename W,
+          typename C>
 __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
                                              const W* __restrict__ gamma,
                                              const W* __restrict__ beta, T* __restrict__ yr,
                                              C* __restrict__ pr, cl_i64 N, C eps, cl_i64 row,
                                              float* __restrict__ mean_out,
-                                             float* __restrict__ rstd_out) {
+                                             float* __restrict__ rstd_out,
+                                             const T* __restrict__ rr, T* __restrict__ hr) {
   const int t = threadIdx.x, G = gridDim.x;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
   const int head = peel_head(xr);
@@ -664,9 +668,18 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
   };
   const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);
   const bool has_e = blockIdx.x == 0 && (t < VEC ? t < head : t < 2 * VEC && ec < N);
-  const C ex = has_e ? to_acc(xr[ec]) : C(0);
+  constexpr bool STORES_H = ADD && !APPLY;
+  const T* src = ADD && APPLY ? hr : xr;  // h as the first launch stored it
+  C ex;
+  if constexpr (STORES_H)
+    ex = has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
+  else
+    ex = has_e ? to_acc(src[ec]) : C(0);
   typename RowVec<T, VEC>::type p[NPT];
-  load_row<VEC, NPT>(xr + head, t0, mid, true, p);
+  if constexpr (STORES_H)
+    load_row_add<VEC, NPT>(xr + head, rr + head, hr + head, t0, mid, true, p);
+  else
+    load_row<VEC, NPT>(src + head, t0, mid, true, p);
   if constexpr (!APPLY) {
     const C cnt = count(blockIdx.x);
     C n = C(0), mean = C(0), m2 = C(0);
@@ -700,7 +713,8 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
                                           H* __restrict__ hout = nullptr) {
   typedef typename Acc<T>::type C;
   constexpr int NPT = 4;
-  static_assert(!PEEL || (!ADD && VEC * sizeof(T) == 16), "peeled: the plain forward's rows");
+  static_assert(!PEEL || (VEC * sizeof(T) == 16 && (!ADD || sizeof(H) == sizeof(T))),
+                "peeled: 16-byte vectors, h in x's dtype");
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
   const int G = gridDim.x;
   if constexpr (PEEL) {  // the parts cover the middle's vectors; part 0 the peeled elements
@@ -708,8 +722,9 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
         (cl_i64)G * chunk < N / VEC * VEC || blockDim.x < 2 * VEC)
       cl_trap();
     const cl_i64 row = blockIdx.y;
-    peeled_parts<APPLY, LN, WARP, VEC, NPT>(x + row * ldx, gamma, beta, y + row * N,
-                                            part + row * G * 2, N, eps, row, mean_out, rstd_out);
+    peeled_parts<APPLY, LN, WARP, VEC, NPT, ADD>(
+        x + row * ldx, gamma, beta, y + row * N, part + row * G * 2, N, eps, row, mean_out,
+        rstd_out, ADD ? (const T*)res + row * ldr : nullptr, ADD ? (T*)hout + row * N : nullptr);
     return;
   }
   if (blockDim.y != 1 || blockDim.x % WARP != 0 || (cl_i64)gridDim.y != M ||
@@ -753,10 +768,11 @@ norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
   fwd_parts<APPLY, T, W, LN, VEC, WARP, T, false, PEEL>(CLN_FWD_ARGS, part);
 }
 
-template <typename T, typename W, typename H, bool LN, int VEC, int WARP, bool APPLY>
+template <typename T, typename W, typename H, bool LN, int VEC, int WARP, bool APPLY,
+          bool PEEL = false>
 __global__ void __launch_bounds__(1024)
 norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part) {
-  fwd_parts<APPLY, T, W, LN, VEC, WARP, H, true>(CLN_FWD_ARGS, part, res, ldr, hout);
+  fwd_parts<APPLY, T, W, LN, VEC, WARP, H, true, PEEL>(CLN_FWD_ARGS, part, res, ldr, hout);
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for

@@ -134,17 +134,20 @@ def test_weight_offset(op, offset, N):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,hdt", [
     (1, 1 << 20, BF16, F32, None), (3, 262152, F16, F16, F32), (2, 70001, F32, F32, None),
-    (5, 300008, F32, F32, None)])
+    (5, 300008, F32, F32, None), (1, 1048575, BF16, F32, None), (3, 262151, F16, F16, F32),
+    (4, 50257, F16, F16, None)])
 def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
     """Few long rows of the fused forward in parts over the grid (h stored by the first launch,
-    read back by the second; h in float32) match the reference, as without parts; rows of
-    single elements take chunks."""
+    read back by the second; h in float32) match the reference, as without parts: rows of
+    16-byte vectors, and odd rows peeled where h is x's dtype; other odd rows take chunks."""
     plans.spy("fwd")
     for rows in (2.0, 0):
         plans.replan(fwd_parts_rows_add=rows)
         run_fused(op, M, N, dt, wdt, hdt, config=plans.config)
-        wide = N % (16 // dt.itemsize) == 0  # parts: 16-byte vectors (single elements: chunks)
-        assert plans and all((p.variant == "fwd_parts") == (rows > 0 and wide) for p in plans), \
+        wide = N % (16 // dt.itemsize) == 0
+        want = "fwd_parts" if wide else "fwd_peeled_parts"
+        parts = rows > 0 and (wide or hdt is None)
+        assert plans and all((p.variant == want) == parts for p in plans), \
             [p.variant for p in plans]
 
 

@@ -560,8 +560,9 @@ def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
 def test_fused_add_rows_peeled_where_plain_rows_are(dt, M, N, warp, hip, is_ln, f32_h):
     """The fused add's forward peels the rows the plain forward peels where h is x's dtype
     (never for a float32 h of 16-bit rows): the plain plan where that is one block of direct
-    rows or chunks; the same block unstaged where the plain rows stage; one block of 8 vectors
-    per thread, or chunks, where the plain rows go in parts. Its kernels add the residual."""
+    rows or chunks, or parts of at most ``sms * parts_rows_add`` rows; the same block unstaged
+    where the plain rows stage; one block of 8 vectors per thread, or chunks, for more rows
+    where the plain rows go in parts. Its kernels add the residual."""
     dtype = _dtype(dt)
     hdtype = np.dtype("float32") if f32_h and dtype.itemsize == 2 else dtype
     plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, peel=True, is_ln=is_ln)
@@ -572,8 +573,10 @@ def test_fused_add_rows_peeled_where_plain_rows_are(dt, M, N, warp, hip, is_ln, 
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
     if not fused.spec.peeled:
         return
-    assert "_add" in fused.kern.name and fused.launch.keys() == {"fwd"}
-    if plain.variant in ("fwd_peeled", "fwd_peeled_early", "fwd_peeled_chunked"):
+    parts = plain.variant == "fwd_peeled_parts" and M <= 132 * FWD.parts_rows_add
+    assert fused.launch.keys() == ({"fwd_parts", "fwd"} if parts else {"fwd"})
+    assert all("_add" in launch.kern.name for launch in fused.launch.values())
+    if parts or plain.variant in ("fwd_peeled", "fwd_peeled_early", "fwd_peeled_chunked"):
         assert (fused.variant, fused.grid, fused.block, fused.spec.npt) == \
             (plain.variant, plain.grid, plain.block, plain.spec.npt)
     elif plain.variant == "fwd_peeled_staged":
