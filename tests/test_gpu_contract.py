@@ -144,15 +144,21 @@ def test_mixed_numpy_and_cupy_raise_type_error():
 
 def test_rows_past_the_grid_limit_raise_before_any_work():
     """A backward whose column tiles would need more blocks than the grid holds (rows of
-    33554433 float16 elements in narrow vectors: 65537 tiles) raises ValueError while
-    planning; the outputs given stay as they were. The forward of such a row runs."""
-    x = cp.ones((1, 2**25 + 1), F16)
+    33554433 float16 elements in narrow vectors, x's rows starting 2 bytes past dx's: 65537
+    tiles) raises ValueError while planning; the outputs given stay as they were. The forward
+    of such a row runs, and so does the backward where x's and dx's rows start alike (peeled,
+    in 16-byte vectors)."""
+    x = cp.ones((1, 2**25 + 2), F16)[:, 1:]
     y, mean, rstd = cupyln.layer_norm_fwd(x)
     assert float(mean[0]) == 1.0
     dx = cp.full_like(x, 7)
     with pytest.raises(ValueError, match="rows of 33554433 elements"):
         cupyln.layer_norm_bwd(x, x, None, mean, rstd, out=(dx, None, None))
     assert bool((dx == 7).all())
+    x = x.copy()  # its row starting as dx's, 256-byte aligned
+    dx = cupyln.layer_norm_bwd(x, x, None, mean, rstd)[0]
+    # dy == 1 and x == its mean: no gradient, but for the float32 sum of 2^25 + 1 ones
+    assert float(abs(dx).max()) < 1e-3
 
 
 # --------------------------------------------------------------------------- fuzz
