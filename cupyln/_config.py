@@ -106,6 +106,8 @@ class FwdConfig:
     parts_per_sm: int = 2
     # The fused add's forward in parts for at most sms * parts_rows_add rows: 1x1048576 bf16
     # 14.4 against 39.7 us, 64x1048576 193 / 238, but 128x1048576 362 / 351 (rows in chunks).
+    # Peeled odd rows too (H100): LN 1x1048575 bf16 16.3 against 300.7, 32x262143 51.2 / 92.5,
+    # 66x50257 f16 23.2 / 26.5, but 130x50257 bf16 33.8 against 29.1 (parts_rows_add=4).
     parts_rows_add: float = 0.5
 
     # Rows on which 16-byte vectors do not fit as they are (odd N, odd row strides): each row's
