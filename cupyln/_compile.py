@@ -110,8 +110,11 @@ class Spec(NamedTuple):
 
     def _fwd_peeled_names(self):
         """Peeled rows of one chunk (the fused add's, h in x's dtype: kernels of their own,
-        never staged)."""
+        never staged), or of one chunk of a cluster of ``tiles`` blocks."""
         t, w, op = self._types()
+        if self.tiles > 1:
+            return {"fwd_peeled_cluster": f"norm_fwd_peeled_cluster<{t}, {w}, {op}, {self.npt}, "
+                                          f"{self.warp}, {self.tiles}>"}
         kern = "norm_fwd_peeled_add" if self.hdtype is not None else "norm_fwd_peeled"
         a = f"{kern}<{t}, {w}, {op}, {self.npt}, {self.warp}"
         names = {"fwd_peeled": f"{a}>"}

@@ -148,6 +148,8 @@ def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
         if cfg.resident_npt:  # rows in a cluster's shared memory
             for tiles in cluster_sizes(cfg):
                 yield s._replace(npt=cfg.resident_npt, tiles=tiles, resident=True), "fwd"
+        for tiles in fwd_cluster_sizes(cfg, s.is_ln, None):  # peeled rows split over a cluster
+            yield s._replace(npt=cfg.npt, tiles=tiles, peeled=True), "fwd"
     for n in (1, 2, 4):
         if n <= cfg.npt:
             yield s._replace(npt=n), "fwd"
@@ -379,6 +381,10 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
                     hdtype=hdtype)
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
                            N // vec * vec, _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS)
+    cluster = None if hdtype is not None else \
+        _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g)
+    if cluster is not None:
+        return cluster
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp, 2 * info.sms)
     if not g.fits and cfg.peel_chunked:
@@ -400,6 +406,25 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
         return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
+    """Peeled rows longer than one block (geometry ``g`` of their 16-byte vectors) split over the
+    blocks of a cluster, whole warps each, where one chunk of it holds the row's middle
+    (``fwd_cluster_tiles``), one row per cluster at a time; None where the rules say no or the
+    driver cannot place such a cluster."""
+    cfg, vec = config.fwd, 16 // dtype.itemsize
+    tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, None, vec, g, M, N)
+    if not tiles:
+        return None
+    block = (round_up(cdiv(N // vec, tiles * cfg.npt), info.warp), 1)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip, peeled=True)
+    kern = _compile.kernels(spec, "fwd", config.source)["fwd_peeled_cluster"]
+    if _driver.max_active_clusters(kern, (1, tiles), block, 0) == 0:
+        return None
+    grid = (min(M, info.sms * cfg.grid_per_sm), tiles)
+    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    return Plan(spec, "fwd_peeled_cluster", kern, grid, block, 0, launch)
 
 
 def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype=None):

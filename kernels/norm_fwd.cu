@@ -496,6 +496,51 @@ norm_fwd_peeled_add_chunked(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ld
   fwd_peeled_chunks<T, W, LN, WARP, true>(CLN_FWD_ARGS, res, ldr, hout);
 }
 
+// Peeled rows longer than one block split over the CL blocks of a cluster (sm_90; the planner's
+// choice where one chunk of the cluster holds the row's middle): x read once, as
+// norm_fwd_cluster's rows, where norm_fwd_peeled_chunked reads it twice. The middle's vectors
+// span the cluster (block r holding its part r); the first block's first 2 * VEC threads also
+// take the head and tail, one element each. One row per cluster at a time, gamma and beta read
+// per element at the output.
+template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
+__global__ void __launch_bounds__(1024)
+CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_peeled_cluster(CLN_FWD_PARAMS) {
+#if CLN_CLUSTERS
+  typedef typename Acc<T>::type C;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
+  const int t = threadIdx.x;
+  const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, tile = (cl_i64)blockIdx.y * chunk;
+  if (blockDim.y != 1 || CL * chunk < N / VEC * VEC || blockDim.x < 2 * VEC) cl_trap();
+  const bool edges = blockIdx.y == 0;  // the block that takes the head and tail
+  const C inv_n = cl_inv_count(C(0), N);
+  typename RowVec<T, VEC>::type p[NPT];
+  int phase = 0;
+  for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
+    const T* xr = x + row * ldx;
+    const int head = peel_head(xr);
+    const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
+    const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);  // as norm_fwd_peeled's
+    const bool has_e = edges && (t < VEC ? t < head : t < 2 * VEC && ec < N);
+    const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    load_row<VEC, NPT>(xr + head, tile, mid, true, p);
+    C n = C(0), mean = C(0), m2 = C(0);
+    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, CL, true>(
+        p, 0, tile, mid, CL * chunk, phase, inv_n, n, mean, m2, ex, has_e);
+    const C mu = LN ? mean : C(0);
+    const C rstd = cl_rsqrt(m2 * inv_n + eps);
+    if (edges && t == 0) {
+      if (LN) mean_out[row] = (float)mu;
+      rstd_out[row] = (float)rstd;
+    }
+    write_peeled<VEC, NPT>(p, tile, mid, head, ex, ec, has_e, mu, rstd, gamma, beta, y + row * N);
+  }
+  cluster_sync();  // none of the cluster's blocks exits while its sums may be on their way
+#else
+  cl_trap();  // the planner launches it only where clusters exist
+#endif
+}
+
 // The fused residual add (fwd_rows' ADD), h in H: rows of one chunk, NPT vectors per thread,
 // and longer rows in chunks. Built for 16-byte vectors and single elements only (the planner's
 // rule): intermediate widths would double the specializations for rare alignments.
