@@ -35,8 +35,9 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 37, 3583, "float16", None),        # forward rows peeled (odd N), few: early
     ("layernorm", 150, 3583, "bfloat16", "float32"),  # gamma and beta; more rows: late
     ("layernorm", 140, 20001, "float16", None),      # peeled rows staged (looping blocks)
-    ("rmsnorm", 5, 50257, "bfloat16", "float32"),    # peeled rows in parts, or in chunks
-    ("layernorm", 3, 70001, "float16", None),        # (past 8 vectors per thread, or spilling)
+    ("rmsnorm", 5, 50257, "bfloat16", "float32"),    # peeled rows in parts, or over a
+    ("layernorm", 3, 70001, "float16", None),        # cluster (sm_90; else in chunks)
+    ("layernorm", 2, 300001, "bfloat16", None),      # past 8 blocks: parts or chunks
     ("layernorm", 3, 30001, "float32", None),        # or one block of 8 vectors per thread
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)

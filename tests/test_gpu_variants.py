@@ -696,12 +696,40 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     case = inputs(M, N, dt, wdt)
     plans.spy("fwd")
-    for chunked in (True, False):
-        plans.replan(fwd_peel_parts_rows=0, fwd_peel_chunked=chunked)
+    for chunked in (True, False):  # (clusters: their own test)
+        plans.replan(fwd_peel_parts_rows=0, fwd_peel_chunked=chunked, fwd_cluster=False)
         check_case(op, *case, layout=layout, config=plans.config)
         variants = {p.variant for p in plans}
         assert variants == {"fwd_peeled_chunked"} if chunked else \
             not any(v.startswith("fwd_peeled") for v in variants), variants
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("M,N,dt,wdt,extra", [
+    (40, 70001, BF16, BF16, 0), (9, 131071, F16, F32, 8), (30, 40001, F32, F32, 0),
+    (5, 65537, F64, F64, 0), (3, 262143, BF16, F32, 0), (3, 400001, BF16, BF16, 0),
+    (300, 50257, F16, F16, 8)])
+def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
+    """Peeled rows longer than one block split over a cluster (sm_90; here for few rows too:
+    ``peel_parts_rows=0``, and RMSNorm's rows of 16 blocks for any M) match the reference, rows
+    of longer strides included, as without clusters; the plan takes the cluster exactly where
+    the device has clusters and its fewest blocks hold the row's middle."""
+    from cupyln import _plan
+
+    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
+    case = inputs(M, N, dt, wdt)
+    info = _plan.device_info(cp.cuda.Device().id)
+    plans.spy("fwd")
+    for on in (True, False):
+        plans.replan(fwd_peel_parts_rows=0, fwd_cluster=on, fwd_cluster_long_min_rows=0)
+        check_case(op, *case, layout=layout, config=plans.config)
+        wide = 16 // dt.itemsize
+        tiles = _fwd_cluster_tiles(plans.config.fwd, info, op, M, N, wide)
+        cluster = on and info.clusters and tiles > 0
+        assert plans and all(p.variant.startswith("fwd_peeled") for p in plans)
+        assert all((p.variant == "fwd_peeled_cluster") == cluster for p in plans), \
+            [p.variant for p in plans]
+        assert not cluster or all(p.grid[1] == tiles for p in plans)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -714,11 +742,11 @@ def test_peeled_rows_of_8_vectors_per_thread(plans, op, dt, wdt):
     that bound is lifted), else they go in chunks; either against the reference."""
     case = inputs(40, 60001, dt, wdt)
     plans.spy("fwd")
-    plans.replan(fwd_peel_parts_rows=0, fwd_peel_block_spill=1 << 20)
+    plans.replan(fwd_peel_parts_rows=0, fwd_peel_block_spill=1 << 20, fwd_cluster=False)
     check_case(op, *case, config=plans.config)
     assert [(p.variant, p.spec.npt) for p in plans] == [("fwd_peeled", 8)]
     spills = plans[0].kern.local_size_bytes > cupyln.FwdConfig().peel_block_spill
-    plans.replan(fwd_peel_parts_rows=0)
+    plans.replan(fwd_peel_parts_rows=0, fwd_cluster=False)
     check_case(op, *case, config=plans.config)
     assert [p.variant for p in plans] == ["fwd_peeled_chunked" if spills else "fwd_peeled"]
 

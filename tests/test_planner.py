@@ -377,7 +377,7 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
     plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
     wide = 16 // _dtype(dt).itemsize
     peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_staged",
-                              "fwd_peeled_parts", "fwd_peeled_chunked")
+                              "fwd_peeled_parts", "fwd_peeled_cluster", "fwd_peeled_chunked")
     if N % wide == 0 or N < 2 * wide or N // wide > most:
         assert not peeled
     elif sure:
@@ -414,8 +414,10 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     chunk of
     ``npt`` vectors go in parts over the grid where they are at most ``sms *
     peel_parts_rows``, whose blocks of whole warps cover the row's vectors, one row of parts
-    per row; more rows longer than 8 vectors per thread of one block in chunks, one row per
-    block of ``tpr_max`` threads."""
+    per row; more rows over a cluster (CUDA) where one chunk of 8 blocks holds the row, whole
+    warps each, the grid's clusters covering M or at the grid's cap; else more rows longer
+    than 8 vectors per thread of one block in chunks, one row per block of ``tpr_max``
+    threads."""
     wide = 16 // _dtype(dt).itemsize
     in_parts = M <= 132 * FWD.peel_parts_rows
     plan, built = _peeled_plan("fwd", dt, M, N, warp, hip, N, N // wide >= 8 * wide)
@@ -430,6 +432,14 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
         assert rows == M and one == 1 and tpr % warp == 0 and 2 * wide <= tpr <= FWD.tpr_max
         assert s.npt == FWD.npt and (parts - 1) * tpr * s.npt < nvec <= parts * tpr * s.npt
         assert set(plan.launch) == {"fwd_parts", "fwd"}
+        return
+    cluster = not (one_chunk or in_parts or hip) and nvec <= 8 * FWD.tpr_max * FWD.npt
+    assert (plan.variant == "fwd_peeled_cluster") == cluster, plan.variant
+    if cluster:
+        (grid, tiles), (tpr, one) = plan.grid, plan.block
+        assert tiles == s.tiles == 8 and one == 1 and tpr % warp == 0 and tpr <= FWD.tpr_max
+        assert (tpr - warp) * tiles * s.npt < nvec <= tpr * tiles * s.npt
+        assert grid == min(M, 132 * FWD.grid_per_sm) and set(plan.launch) == {"fwd"}
         return
     chunked = not in_parts and nvec > 8 * FWD.tpr_max
     assert (plan.variant == "fwd_peeled_chunked") == chunked, plan.variant
@@ -469,8 +479,8 @@ def test_peeled_chunks_are_a_switch():
             (DEFAULT, 2048, 60001, spill + 1, "fwd_peeled_chunked", 8, FWD.npt),
             (off, 2048, 60001, 152, "fwd_peeled", 8, 8),
             (DEFAULT, 2670, 50257, 152, "fwd_peeled_staged", 8, 8)):
-        with mock.patch.object(_FakeKernel, "local_size_bytes", local):
-            plan, _ = _plan_without_gpu("fwd", "bfloat16", M, N, 32, peel=True, config=config)
+        with mock.patch.object(_FakeKernel, "local_size_bytes", local):  # (no clusters)
+            plan, _ = _plan_without_gpu("fwd", "bfloat16", M, N, 32, False, config, peel=True)
         assert (plan.variant, plan.spec.vec, plan.spec.npt) == (variant, vec, npt), (M, N, local)
 
 
@@ -562,7 +572,8 @@ def test_fused_add_rows_peeled_where_plain_rows_are(dt, M, N, warp, hip, is_ln, 
     (never for a float32 h of 16-bit rows): the plain plan where that is one block of direct
     rows or chunks, or parts of at most ``sms * parts_rows_add`` rows; the same block unstaged
     where the plain rows stage; one block of 8 vectors per thread, or chunks, for more rows
-    where the plain rows go in parts. Its kernels add the residual."""
+    where the plain rows go in parts, and where they split over a cluster. Its kernels add the
+    residual."""
     dtype = _dtype(dt)
     hdtype = np.dtype("float32") if f32_h and dtype.itemsize == 2 else dtype
     plain, _ = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, peel=True, is_ln=is_ln)
@@ -582,8 +593,8 @@ def test_fused_add_rows_peeled_where_plain_rows_are(dt, M, N, warp, hip, is_ln, 
     elif plain.variant == "fwd_peeled_staged":
         assert (fused.variant, fused.block, fused.spec.npt, fused.smem) == \
             ("fwd_peeled", plain.block, plain.spec.npt, 0)
-    else:
-        assert plain.variant == "fwd_peeled_parts"
+    else:  # the fused add has no peeled cluster
+        assert plain.variant in ("fwd_peeled_parts", "fwd_peeled_cluster")
         assert fused.variant == "fwd_peeled_chunked" or \
             (fused.variant, fused.spec.npt) == ("fwd_peeled", 8)
 
