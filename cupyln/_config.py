@@ -121,6 +121,9 @@ class FwdConfig:
     # one block of 8 vectors per thread, 1x50257 bf16 11.6 / 19.4; more rows keep the block,
     # whose waves fill the GPU (1000x20001 f32 74.1 / 106.7, LN 2670x50257 bf16 380 / 413).
     peel_parts_rows: float = 4.0
+    # Peeled rows longer than one block, more than parts take, over the blocks of a cluster
+    # where `cluster`'s rule places the aligned rows' (norm_fwd_peeled_cluster, x read once).
+    peel_cluster: bool = True
     # Peeled rows past one block of 8 vectors per thread, more than parts take: the middle in
     # chunks of 16-byte vectors, read twice (norm_fwd_peeled_chunked), against narrow vectors
     # over the whole row (False: norm_fwd_chunked, one element a vector): LN 1024x131071 bf16

@@ -411,10 +411,10 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
 def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     """Peeled rows longer than one block (geometry ``g`` of their 16-byte vectors) split over the
     blocks of a cluster, whole warps each, where one chunk of it holds the row's middle
-    (``fwd_cluster_tiles``), one row per cluster at a time; None where the rules say no or the
-    driver cannot place such a cluster."""
+    (``fwd_cluster_tiles``), one row per cluster at a time; None where ``peel_cluster`` or the
+    rules say no, or the driver cannot place such a cluster."""
     cfg, vec = config.fwd, 16 // dtype.itemsize
-    tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, None, vec, g, M, N)
+    tiles = cfg.peel_cluster and fwd_cluster_tiles(cfg, info, dtype, is_ln, None, vec, g, M, N)
     if not tiles:
         return None
     block = (round_up(cdiv(N // vec, tiles * cfg.npt), info.warp), 1)

@@ -697,7 +697,7 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
     case = inputs(M, N, dt, wdt)
     plans.spy("fwd")
     for chunked in (True, False):  # (clusters: their own test)
-        plans.replan(fwd_peel_parts_rows=0, fwd_peel_chunked=chunked, fwd_cluster=False)
+        plans.replan(fwd_peel_parts_rows=0, fwd_peel_chunked=chunked, fwd_peel_cluster=False)
         check_case(op, *case, layout=layout, config=plans.config)
         variants = {p.variant for p in plans}
         assert variants == {"fwd_peeled_chunked"} if chunked else \
@@ -712,8 +712,8 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
 def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
     """Peeled rows longer than one block split over a cluster (sm_90; here for few rows too:
     ``peel_parts_rows=0``, and RMSNorm's rows of 16 blocks for any M) match the reference, rows
-    of longer strides included, as without clusters; the plan takes the cluster exactly where
-    the device has clusters and its fewest blocks hold the row's middle."""
+    of longer strides included, as without (``peel_cluster=False``); the plan takes the cluster
+    exactly where the device has clusters and its fewest blocks hold the row's middle."""
     from cupyln import _plan
 
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
@@ -721,7 +721,7 @@ def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
     info = _plan.device_info(cp.cuda.Device().id)
     plans.spy("fwd")
     for on in (True, False):
-        plans.replan(fwd_peel_parts_rows=0, fwd_cluster=on, fwd_cluster_long_min_rows=0)
+        plans.replan(fwd_peel_parts_rows=0, fwd_peel_cluster=on, fwd_cluster_long_min_rows=0)
         check_case(op, *case, layout=layout, config=plans.config)
         wide = 16 // dt.itemsize
         tiles = _fwd_cluster_tiles(plans.config.fwd, info, op, M, N, wide)
@@ -742,11 +742,12 @@ def test_peeled_rows_of_8_vectors_per_thread(plans, op, dt, wdt):
     that bound is lifted), else they go in chunks; either against the reference."""
     case = inputs(40, 60001, dt, wdt)
     plans.spy("fwd")
-    plans.replan(fwd_peel_parts_rows=0, fwd_peel_block_spill=1 << 20, fwd_cluster=False)
+    plans.replan(fwd_peel_parts_rows=0, fwd_peel_block_spill=1 << 20,
+                 fwd_peel_cluster=False)
     check_case(op, *case, config=plans.config)
     assert [(p.variant, p.spec.npt) for p in plans] == [("fwd_peeled", 8)]
     spills = plans[0].kern.local_size_bytes > cupyln.FwdConfig().peel_block_spill
-    plans.replan(fwd_peel_parts_rows=0, fwd_cluster=False)
+    plans.replan(fwd_peel_parts_rows=0, fwd_peel_cluster=False)
     check_case(op, *case, config=plans.config)
     assert [p.variant for p in plans] == ["fwd_peeled_chunked" if spills else "fwd_peeled"]
 

@@ -433,7 +433,8 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
         assert s.npt == FWD.npt and (parts - 1) * tpr * s.npt < nvec <= parts * tpr * s.npt
         assert set(plan.launch) == {"fwd_parts", "fwd"}
         return
-    cluster = not (one_chunk or in_parts or hip) and nvec <= 8 * FWD.tpr_max * FWD.npt
+    cluster = FWD.peel_cluster and not (one_chunk or in_parts or hip) and \
+        nvec <= 8 * FWD.tpr_max * FWD.npt
     assert (plan.variant == "fwd_peeled_cluster") == cluster, plan.variant
     if cluster:
         (grid, tiles), (tpr, one) = plan.grid, plan.block
