@@ -123,7 +123,8 @@ class FwdConfig:
     peel_parts_rows: float = 4.0
     # Peeled rows longer than one block, more than parts take, over the blocks of a cluster
     # where `cluster`'s rule places the aligned rows' (norm_fwd_peeled_cluster, x read once).
-    peel_cluster: bool = True
+    # Off until a GPU has run and timed it (built and compiled offline; benchmarks/NOTES.md).
+    peel_cluster: bool = False
     # Peeled rows past one block of 8 vectors per thread, more than parts take: the middle in
     # chunks of 16-byte vectors, read twice (norm_fwd_peeled_chunked), against narrow vectors
     # over the whole row (False: norm_fwd_chunked, one element a vector): LN 1024x131071 bf16

@@ -464,6 +464,40 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
+       st.integers(1, 1 << 19), WARPS, st.booleans())
+@example("bfloat16", 2670, 50257, 32, True)
+@example("float32", 1000, 20001, 64, True)
+@example("bfloat16", 1024, 131071, 32, False)
+@example("bfloat16", 3, 400001, 32, False)
+@example("bfloat16", 20, 400001, 32, False)
+@example("bfloat16", 600, 400001, 32, False)
+def test_peeled_rows_over_a_cluster_where_switched_on(dt, M, N, warp, is_ln):
+    """``peel_cluster=True``: peeled rows longer than one block, more than parts take, split over
+    the cluster the aligned rows' rule gives (the fewest blocks whose one chunk holds the
+    middle: 8, RMSNorm's 16 from ``cluster_long_min_rows`` rows), whole warps each covering the
+    row's middle, the grid's clusters covering M or at its cap; every other plan is the one
+    without the switch."""
+    on_cfg = Config(fwd=FwdConfig(peel_cluster=True))
+    off, _ = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln)
+    on, built = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln, config=on_cfg)
+    wide = 16 // _dtype(dt).itemsize
+    nvec, chunk = N // wide, FWD.tpr_max * FWD.npt
+    held = [t for t in _plan.fwd_cluster_sizes(FWD, is_ln, None) if nvec <= t * chunk]
+    tiles = held[0] if held and (held[0] <= FWD.cluster_tiles
+                                 or M >= FWD.cluster_long_min_rows) else 0
+    cluster = off.spec.peeled and off.variant != "fwd_peeled_parts" and nvec > chunk and tiles
+    assert (on.variant == "fwd_peeled_cluster") == bool(cluster), (on.variant, off.variant)
+    if not cluster:
+        assert (on.variant, on.grid, on.block) == (off.variant, off.grid, off.block)
+        return
+    (grid, t), (tpr, one) = on.grid, on.block
+    assert t == on.spec.tiles == tiles and one == 1 and tpr % warp == 0 and tpr <= FWD.tpr_max
+    assert (tpr - warp) * tiles * FWD.npt < nvec <= tpr * tiles * FWD.npt
+    assert grid == min(M, 132 * FWD.grid_per_sm) and on.spec.peeled and on.spec.vec == wide
+    assert set(on.launch) == {"fwd"} and set(built.values()) <= _plan.all_kernel_names(warp)
+
+
 def test_peeled_chunks_are_a_switch():
     """``peel_chunked=False``: many peeled rows past one block of 8 vectors per thread run
     narrow vectors over the whole row, as before the chunked kernel. Rows of more than ``npt``
