@@ -282,6 +282,18 @@ __device__ __forceinline__ void write_peeled(const R (&p)[NPT], cl_i64 c0, cl_i6
   if (has_e) yr[ec] = Store<T>::cvt(norm(ex, ec));
 }
 
+// A peeled row's element ec where has_e (else 0): x's, or (ADD: rr and hr the row's residual
+// and h) h = x + residual, stored to hr as load_row_add stores the vectors.
+template <bool ADD, typename T>
+__device__ __forceinline__ typename Acc<T>::type peeled_elem(const T* __restrict__ xr,
+                                                             const T* __restrict__ rr,
+                                                             T* __restrict__ hr, cl_i64 ec,
+                                                             bool has_e) {
+  typedef typename Acc<T>::type C;
+  if constexpr (ADD) return has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
+  return has_e ? to_acc(xr[ec]) : C(0);
+}
+
 // A peeled row's vectors as norm_fwd_peeled keeps them: float16 packed at 8 vectors per thread,
 // whose 64 floats alone are the launch bound's registers (ptxas: 420 bytes spilled, 58 packed).
 template <typename T, int VEC, int NPT> struct PeeledVec {
@@ -343,11 +355,7 @@ __device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restr
     const bool has_e = valid && (t < VEC ? t < head : t < 2 * VEC && ec < N);
     const T* rr = ADD ? res + (valid ? row : 0) * ldr : nullptr;  // the row's residual and h
     T* hr = ADD ? hout + row * N : nullptr;
-    C ex;
-    if constexpr (ADD)
-      ex = has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
-    else
-      ex = has_e ? to_acc(xr[ec]) : C(0);
+    const C ex = peeled_elem<ADD>(xr, rr, hr, ec, has_e);
     // STAGED: the row's packs stay in shared memory, read by each pass (this thread's slots)
     const SmemRow<P> sp{stage + (phase & 1) * NPT * threads + threadIdx.y * blockDim.x + t,
                         threads};
@@ -449,11 +457,7 @@ __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __res
     const bool has_e = t < VEC ? t < head : t < 2 * VEC && ec < N;
     const T* rr = ADD ? res + row * ldr : nullptr;  // the row's residual and h
     T* hr = ADD ? hout + row * N : nullptr;
-    C ex;
-    if constexpr (ADD)
-      ex = has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
-    else
-      ex = has_e ? to_acc(xr[ec]) : C(0);
+    const C ex = peeled_elem<ADD>(xr, rr, hr, ec, has_e);
     const int chunks = (int)((mid + chunk - 1) / chunk);
     C n = C(0), mean = C(0), m2 = C(0);
     for (int c = 0; c < chunks; ++c, ++phase) {
@@ -522,7 +526,7 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_peeled_cluster(CLN_FWD_PARAMS) {
     const cl_i64 mid = (N - head) / VEC * VEC;  // the middle's elements, from column head
     const cl_i64 ec = t < VEC ? t : head + mid + (t - VEC);  // as norm_fwd_peeled's
     const bool has_e = edges && (t < VEC ? t < head : t < 2 * VEC && ec < N);
-    const C ex = has_e ? to_acc(xr[ec]) : C(0);
+    const C ex = peeled_elem<false, T>(xr, nullptr, nullptr, ec, has_e);
     load_row<VEC, NPT>(xr + head, tile, mid, true, p);
     C n = C(0), mean = C(0), m2 = C(0);
     chunk_stats<false, LN, WARP, VEC, NPT, false, 0, CL, true>(
@@ -715,11 +719,7 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
   const bool has_e = blockIdx.x == 0 && (t < VEC ? t < head : t < 2 * VEC && ec < N);
   constexpr bool STORES_H = ADD && !APPLY;
   const T* src = ADD && APPLY ? hr : xr;  // h as the first launch stored it
-  C ex;
-  if constexpr (STORES_H)
-    ex = has_e ? add_elem(xr[ec], rr[ec], hr + ec) : C(0);
-  else
-    ex = has_e ? to_acc(src[ec]) : C(0);
+  const C ex = peeled_elem<STORES_H>(src, rr, hr, ec, has_e);
   typename RowVec<T, VEC>::type p[NPT];
   if constexpr (STORES_H)
     load_row_add<VEC, NPT>(xr + head, rr + head, hr + head, t0, mid, true, p);
