@@ -8,8 +8,8 @@ and few rows (one cluster that sums dgamma/dbeta, or the last block summing the 
 LayerNorm and RMSNorm; and the fused residual add (with dresidual and a weight offset) over the
 same shapes, staged backward rows or none. Exits non-zero when an output misses the reference
 tolerance. CUPYLN_SANITIZE_K (a regular expression) runs only the cases whose "op MxN dtype"
-it finds; CUPYLN_SANITIZE_FWD (a JSON dict of FwdConfig fields) changes every variant's forward,
-to check a variant switched off by default.
+it finds; CUPYLN_SANITIZE_CONFIG (JSON: {"fwd": FwdConfig fields, "bwd": BwdConfig fields})
+changes every variant's config, to check variants switched off by default.
 """
 
 import json
@@ -74,7 +74,7 @@ VARIANTS = [(False, False, "always", True, False), (True, False, "always", True,
             (False, False, "never", False, False),
             (False, False, "always", True, True), (True, True, "never", False, True)]
 ONLY = re.compile(os.environ.get("CUPYLN_SANITIZE_K", ""))
-FWD_FIELDS = json.loads(os.environ.get("CUPYLN_SANITIZE_FWD", "{}"))
+FIELDS = json.loads(os.environ.get("CUPYLN_SANITIZE_CONFIG", "{}"))
 bad = 0
 for op, M, N, dt, wdt in CASES:
     if not ONLY.search(f"{op} {M}x{N} {dt}"):
@@ -89,12 +89,13 @@ for op, M, N, dt, wdt in CASES:
         resident = {} if csum else dict(resident_rows=0, resident_slots=9, peel_parts_rows=0)
         config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, parts_rows_add=parts,
                                       cluster_long_min_rows=0,
-                                      **{**resident, **FWD_FIELDS}),
+                                      **{**resident, **FIELDS.get("fwd", {})}),
                         bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
                                       parts_rows=parts,  # (the backward's default is 0.5)
                                       # peeled rows: few too
                                       peel_rows=8 if csum else 0,
-                                      peel_tile_rows=4 if csum else 0))
+                                      peel_tile_rows=4 if csum else 0,
+                                      **FIELDS.get("bwd", {})))
         rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
                             fused=fused)
         cp.cuda.Device().synchronize()

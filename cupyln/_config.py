@@ -201,6 +201,10 @@ class BwdConfig:
     # than their reads (H100, against narrow vectors: 8x131071 bf16 55.6 against 34.3 us,
     # 3x1048575 129.6 / 86.4; 64x1048575 427.6 / 730.1, 66x50257 f16 48.4 / 53.6).
     peel_tile_rows: int = 4
+    # Those rows on sm_90 over a cluster of `cluster_tiles` (or `cluster_tiles_long`) column
+    # tiles of `cluster_npt` vectors per thread that hold the middle, exchanging their row sums:
+    # x and dy read once, not twice (off until timed).
+    peel_cluster: bool = False
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

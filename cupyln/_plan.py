@@ -184,6 +184,9 @@ def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
             for n in npts[:2]:
                 yield s._replace(npt=n, peeled=True, residual=res), "bwd"
             yield s._replace(npt=cfg.tile_npt, peeled=True, residual=res), "bwd_long"
+            for tiles in cluster_sizes(cfg) if clusters else ():  # over a cluster's tiles
+                yield s._replace(npt=cfg.cluster_npt, tiles=tiles, peeled=True,
+                                 residual=res), "bwd_long"
     long_tiles = cluster_sizes(cfg) if clusters else (1,)  # the long-row backward's modules
     for n in npts:
         for pass_, tiles in (("bwd", 1), ("bwd", cfg.csum_blocks),
@@ -703,6 +706,10 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     if not cfg.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
+    cluster = None if g.fits else \
+        _plan_bwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, residual)
+    if cluster is not None:
+        return cluster
     if not g.fits:
         g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
     if g.tpr < 2 * vec:
@@ -715,9 +722,7 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     grid = min(M, info.sms * blocks_per_sm(kerns[main], g.tpr, 0, info) // tiles)
     if g.fits and M < cfg.peel_rows * grid:
         return None
-    if grid < M:  # every block's rows share one head: its sums keep their columns
-        period = vec // math.gcd(N, vec)
-        grid = min(M, max(period, grid // period * period))
+    grid = _peeled_grid(grid, M, N, vec)
     if not g.fits and 1 < grid and M < cfg.peel_tile_rows * grid:
         return None  # the tiles' partials would cost more than their rows
     launch = {} if g.fits else _rowsums_launchers(info, cfg, kerns, M, N, spec)
@@ -726,6 +731,45 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     return Plan(spec, main, kerns[main], (grid, tiles), (g.tpr, 1), 0, launch,
                 direct=grid == 1)
+
+
+def _peeled_grid(grid, M, N, vec):
+    """The peeled backward's rows of blocks: ``grid``, where it covers M, else a multiple of
+    the rows' heads' period, so that every block's rows share one head and its sums keep their
+    columns."""
+    if grid >= M:
+        return M
+    period = vec // math.gcd(N, vec)
+    return min(M, max(period, grid // period * period))
+
+
+def _plan_bwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, residual):
+    """Peeled rows longer than one block on the column tiles of a cluster (sm_90), the fewest
+    of ``cluster_sizes`` whose ``cluster_npt`` vectors per thread hold the middle, exchanging
+    their row sums so that x and dy are read once; on the clusters that run at once, where
+    each takes ``peel_tile_rows`` rows or is alone. None where ``peel_cluster`` is off or
+    those rules or the driver say no."""
+    cfg, vec = config.bwd, 16 // dtype.itemsize
+    if not (cfg.peel_cluster and cfg.cluster and info.clusters):
+        return None
+    most = bwd_threads(cfg.cluster_npt)
+    tiles = next((t for t in cluster_sizes(cfg) if cdiv(N // vec, t * cfg.cluster_npt) <= most),
+                 0)
+    if not tiles:
+        return None
+    block = (round_up(cdiv(N // vec, tiles * cfg.cluster_npt), info.warp), 1)
+    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles, peeled=True,
+                residual=residual)
+    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    fit = _driver.max_active_clusters(kerns["bwd_peeled_cluster"], (1, tiles), block, 0)
+    grid = _peeled_grid(fit, M, N, vec)
+    if not fit or (1 < grid and M < cfg.peel_tile_rows * grid):
+        return None
+    launch = {"bwd": Launcher(kerns["bwd_peeled_cluster"], (grid, tiles), block, 0, _BWD_ARGS)}
+    if grid > 1:
+        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
+    return Plan(spec, "bwd_peeled_cluster", kerns["bwd_peeled_cluster"], (grid, tiles), block,
+                0, launch, direct=grid == 1)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

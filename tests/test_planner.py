@@ -490,6 +490,41 @@ def test_peeled_rows_over_a_cluster_where_switched_on(dt, M, N, warp, is_ln):
     assert set(on.launch) == {"fwd"} and set(built.values()) <= _plan.all_kernel_names(warp)
 
 
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
+       st.integers(1, 1 << 19), WARPS, st.booleans(), st.booleans())
+@example("bfloat16", 2670, 50257, 32, True, False)
+@example("bfloat16", 1024, 131071, 32, False, True)
+@example("float32", 1, 20001, 64, True, False)
+@example("float64", 100, 65537, 32, True, False)
+def test_peeled_backward_over_a_cluster_where_switched_on(dt, M, N, warp, is_ln, residual):
+    """``peel_cluster=True`` (backward): peeled rows longer than one block take the column
+    tiles of a cluster, the fewest of ``cluster_sizes`` whose ``cluster_npt`` vectors per thread
+    (at most ``bwd_threads`` threads, whole warps) hold the middle, where the clusters' rows of
+    blocks (one resident cluster in this mock, so the heads' period or M) each take
+    ``peel_tile_rows`` rows or are alone; partials summed past one row of clusters; every other
+    plan is the one without the switch."""
+    on_cfg = Config(bwd=BwdConfig(peel_cluster=True))
+    kw = dict(peel=True, is_ln=is_ln, residual=residual)
+    off, _ = _plan_without_gpu("bwd", dt, M, N, warp, **kw)
+    on, built = _plan_without_gpu("bwd", dt, M, N, warp, config=on_cfg, **kw)
+    wide = 16 // _dtype(dt).itemsize
+    nvec, most = N // wide, _plan.bwd_threads(BWD.cluster_npt)
+    held = [t for t in _plan.cluster_sizes(BWD) if -(-nvec // (t * BWD.cluster_npt)) <= most]
+    grid = M if M == 1 else min(M, wide // np.gcd(N, wide))
+    long = N % wide and N >= 2 * wide and nvec > BWD.npt * BWD.tpr_max
+    cluster = long and held and (grid == 1 or M >= BWD.peel_tile_rows * grid)
+    assert (on.variant == "bwd_peeled_cluster") == bool(cluster), (on.variant, off.variant)
+    if not cluster:
+        assert (on.variant, on.grid, on.block) == (off.variant, off.grid, off.block)
+        return
+    (g, tiles), (tpr, one) = on.grid, on.block
+    assert tiles == on.spec.tiles == held[0] and one == 1 and tpr % warp == 0 and tpr <= most
+    assert (tpr - warp) * tiles * BWD.cluster_npt < nvec <= tpr * tiles * BWD.cluster_npt
+    assert g == grid and on.spec.peeled and on.spec.residual == residual
+    assert set(on.launch) == ({"bwd"} if g == 1 else {"bwd", "reduce"}) and on.direct == (g == 1)
+    assert set(built.values()) <= _plan.all_kernel_names(warp)
+
+
 def test_peeled_chunks_are_a_switch():
     """``peel_chunked=False``: many peeled rows past one block of 8 vectors per thread run
     narrow vectors over the whole row, as before the chunked kernel. Rows of more than ``npt``
