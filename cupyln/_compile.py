@@ -224,15 +224,10 @@ class Spec(NamedTuple):
         return names
 
     def _bwd_peeled_names(self, pass_):
-        """Rows peeled as the forward's: one block each, or column tiles, after their row sums
-        or (``tiles`` > 1) as the blocks of a cluster (the fused add's dresidual: kernels of
-        their own)."""
+        """Rows peeled as the forward's: one block each, or column tiles (the fused add's
+        dresidual: kernels of their own)."""
         peeled, reduce = f"norm_bwd_peeled<{self._bwd_head()}", self._sums()["reduce"]
         add = ", cln::dresidual" if self.residual else ""
-        if self.tiles > 1:
-            return {"bwd_peeled_cluster":
-                    f"norm_bwd_peeled_cluster<{self._bwd_head()}, {self.tiles}{add}>",
-                    "reduce": reduce}
         if pass_ == "bwd":
             return {"bwd_peeled": f"{peeled}, cln::row_blocks{add}>" if add else f"{peeled}>",
                     "reduce": reduce}

@@ -121,10 +121,11 @@ class FwdConfig:
     # one block of 8 vectors per thread, 1x50257 bf16 11.6 / 19.4; more rows keep the block,
     # whose waves fill the GPU (1000x20001 f32 74.1 / 106.7, LN 2670x50257 bf16 380 / 413).
     peel_parts_rows: float = 4.0
-    # Peeled rows longer than one block, more than parts take, over the blocks of a cluster
-    # where `cluster`'s rule places the aligned rows' (norm_fwd_peeled_cluster, x read once).
-    # Off until a GPU has run and timed it (built and compiled offline; benchmarks/NOTES.md).
-    peel_cluster: bool = False
+    # Peeled rows that would run in chunks (read twice), over the blocks of a cluster where
+    # `cluster`'s rule places the aligned rows' (norm_fwd_peeled_cluster, x read once; H100,
+    # against chunks): RMS 1024x131071 bf16 268 against 302 us, LN 2048x65535 304 / 314. Not in
+    # place of the staged or 8-vector block, which it lost to (LN 2670x50257 bf16 355 / 286).
+    peel_cluster: bool = True
     # Peeled rows past one block of 8 vectors per thread, more than parts take: the middle in
     # chunks of 16-byte vectors, read twice (norm_fwd_peeled_chunked), against narrow vectors
     # over the whole row (False: norm_fwd_chunked, one element a vector): LN 1024x131071 bf16
@@ -201,10 +202,6 @@ class BwdConfig:
     # than their reads (H100, against narrow vectors: 8x131071 bf16 55.6 against 34.3 us,
     # 3x1048575 129.6 / 86.4; 64x1048575 427.6 / 730.1, 66x50257 f16 48.4 / 53.6).
     peel_tile_rows: int = 4
-    # Those rows on sm_90 over a cluster of `cluster_tiles` (or `cluster_tiles_long`) column
-    # tiles of `cluster_npt` vectors per thread that hold the middle, exchanging their row sums:
-    # x and dy read once, not twice (off until timed).
-    peel_cluster: bool = False
     # Long rows on sm_90: a cluster of `cluster_tiles` column tiles exchanging row sums through
     # distributed shared memory, so x and dy are read once (4096x32768 f16: 234 against 352 us).
     cluster: bool = True

@@ -184,9 +184,6 @@ def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
             for n in npts[:2]:
                 yield s._replace(npt=n, peeled=True, residual=res), "bwd"
             yield s._replace(npt=cfg.tile_npt, peeled=True, residual=res), "bwd_long"
-            for tiles in cluster_sizes(cfg) if clusters else ():  # over a cluster's tiles
-                yield s._replace(npt=cfg.cluster_npt, tiles=tiles, peeled=True,
-                                 residual=res), "bwd_long"
     long_tiles = cluster_sizes(cfg) if clusters else (1,)  # the long-row backward's modules
     for n in npts:
         for pass_, tiles in (("bwd", 1), ("bwd", cfg.csum_blocks),
@@ -371,7 +368,8 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     longer than one chunk in parts over the grid where they are at most ``sms *
     peel_parts_rows`` (the fused add's: ``parts_rows_add``), else at 8 vectors per thread
     (staged where the rows outnumber the resident blocks), or in chunks where 8 do not hold the
-    row or their unstaged block spills; None elsewhere (narrow vectors then). ``hdtype``: the
+    row or their unstaged block spills (over a cluster instead where ``peel_cluster`` places
+    one); None elsewhere (narrow vectors then). ``hdtype``: the
     fused add's h, peeled where it is x's dtype, on the same geometry but never staged."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
@@ -384,14 +382,13 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
                     hdtype=hdtype)
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
                            N // vec * vec, _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS)
-    cluster = None if hdtype is not None else \
-        _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g)
-    if cluster is not None:
-        return cluster
+    # past one chunk: over a cluster (x read once) where chunks would read it twice
+    long = functools.partial(_plan_fwd_peeled_long, config, info, dtype, wdtype, is_ln, M, N, g,
+                             hdtype)
     if not g.fits:
         g = spread(row_geometry(N // vec, wp, 8, 8, cfg.tpr_max, cfg.block), M, wp, 2 * info.sms)
     if not g.fits and cfg.peel_chunked:
-        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
+        return long()
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True, hdtype=hdtype)
@@ -406,9 +403,17 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
         main, (smem, grid) = "fwd_peeled_staged", staged
     elif (cfg.peel_chunked and g.npt > cfg.npt
           and kernel_resource(kerns[main], "local_size_bytes") > cfg.peel_block_spill):
-        return _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
+        return long()
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
+
+
+def _plan_fwd_peeled_long(config, info, dtype, wdtype, is_ln, M, N, g, hdtype):
+    """Peeled rows that would run in chunks (read twice): over a cluster where
+    ``_plan_fwd_peeled_cluster`` places one (not the fused add's), else in chunks."""
+    cluster = None if hdtype is not None else \
+        _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g)
+    return cluster or _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
 
 
 def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
@@ -706,10 +711,6 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     if not cfg.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
-    cluster = None if g.fits else \
-        _plan_bwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, residual)
-    if cluster is not None:
-        return cluster
     if not g.fits:
         g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
     if g.tpr < 2 * vec:
@@ -722,7 +723,9 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     grid = min(M, info.sms * blocks_per_sm(kerns[main], g.tpr, 0, info) // tiles)
     if g.fits and M < cfg.peel_rows * grid:
         return None
-    grid = _peeled_grid(grid, M, N, vec)
+    if grid < M:  # every block's rows share one head: its sums keep their columns
+        period = vec // math.gcd(N, vec)
+        grid = min(M, max(period, grid // period * period))
     if not g.fits and 1 < grid and M < cfg.peel_tile_rows * grid:
         return None  # the tiles' partials would cost more than their rows
     launch = {} if g.fits else _rowsums_launchers(info, cfg, kerns, M, N, spec)
@@ -731,45 +734,6 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     return Plan(spec, main, kerns[main], (grid, tiles), (g.tpr, 1), 0, launch,
                 direct=grid == 1)
-
-
-def _peeled_grid(grid, M, N, vec):
-    """The peeled backward's rows of blocks: ``grid``, where it covers M, else a multiple of
-    the rows' heads' period, so that every block's rows share one head and its sums keep their
-    columns."""
-    if grid >= M:
-        return M
-    period = vec // math.gcd(N, vec)
-    return min(M, max(period, grid // period * period))
-
-
-def _plan_bwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, residual):
-    """Peeled rows longer than one block on the column tiles of a cluster (sm_90), the fewest
-    of ``cluster_sizes`` whose ``cluster_npt`` vectors per thread hold the middle, exchanging
-    their row sums so that x and dy are read once; on the clusters that run at once, where
-    each takes ``peel_tile_rows`` rows or is alone. None where ``peel_cluster`` is off or
-    those rules or the driver say no."""
-    cfg, vec = config.bwd, 16 // dtype.itemsize
-    if not (cfg.peel_cluster and cfg.cluster and info.clusters):
-        return None
-    most = bwd_threads(cfg.cluster_npt)
-    tiles = next((t for t in cluster_sizes(cfg) if cdiv(N // vec, t * cfg.cluster_npt) <= most),
-                 0)
-    if not tiles:
-        return None
-    block = (round_up(cdiv(N // vec, tiles * cfg.cluster_npt), info.warp), 1)
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles, peeled=True,
-                residual=residual)
-    kerns = _compile.kernels(spec, "bwd_long", config.source)
-    fit = _driver.max_active_clusters(kerns["bwd_peeled_cluster"], (1, tiles), block, 0)
-    grid = _peeled_grid(fit, M, N, vec)
-    if not fit or (1 < grid and M < cfg.peel_tile_rows * grid):
-        return None
-    launch = {"bwd": Launcher(kerns["bwd_peeled_cluster"], (grid, tiles), block, 0, _BWD_ARGS)}
-    if grid > 1:
-        launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    return Plan(spec, "bwd_peeled_cluster", kerns["bwd_peeled_cluster"], (grid, tiles), block,
-                0, launch, direct=grid == 1)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

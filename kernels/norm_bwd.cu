@@ -407,16 +407,13 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // partials ([G][2N], every column written), or, with none (DIRECT: one row of blocks), to
 // dgamma/dbeta. TILES: rows longer than one block, on gridDim.y column tiles of the middle
 // (blockDim.x * NPT vectors each), whose row sums norm_bwd_rowsums (peeled) has computed; tile 0
-// also takes the head and tail. CL > 1 (TILES): the tiles are the blocks of a cluster, which
-// exchange their row sums (cluster_allreduce) instead of reading them. ADD: the fused add's
-// dresidual (rows alike with x's, the host's rule), read with the row and added to dx.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES, bool ADD, int CL>
-__device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
+// also takes the head and tail. ADD: the fused add's dresidual (rows alike with x's, the host's
+// rule), read with the row and added to dx.
+template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false,
+          bool ADD = false>
+__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
   constexpr int VEC = 16 / (int)sizeof(T);
-  static_assert(CL == 1 || TILES, "a cluster of column tiles");
-  constexpr int CSLOTS = cluster_slots<CL, WARP, bwd_max_threads(NPT)>();
-  if constexpr (CL > 1) cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
   const int head = peel_head(x + blockIdx.x * ldx);
@@ -466,7 +463,7 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
         acc_g[k][j] = cl_fma(g[k][j], xh[k][j], acc_g[k][j]);
         acc_b[k][j] += g[k][j];
         g[k][j] *= gk[k][j];
-        if constexpr (!TILES || CL > 1) {
+        if constexpr (!TILES) {
           s[0] += g[k][j];
           s[1] = cl_fma(g[k][j], xh[k][j], s[1]);
         }
@@ -476,14 +473,13 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
     eg = cl_fma(dye, xhe, eg);
     eb += dye;
     const C ge = dye * gamma_e;
-    if constexpr (TILES && CL == 1) {  // the row's sums, from norm_bwd_rowsums
+    if constexpr (TILES) {  // the row's sums, from norm_bwd_rowsums
       s[0] = rowsums[2 * row];
       s[1] = rowsums[2 * row + 1];
     } else {
       s[0] += ge;
       s[1] = cl_fma(ge, xhe, s[1]);
-      if constexpr (CL > 1) cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // all tiles' warps
-      else row_allreduce<WARP>(s, phase);
+      row_allreduce<WARP>(s, phase);
     }
     if (!dx) continue;
     const DxRow<LN, C> dxe(rs, s, inv_n);
@@ -502,8 +498,6 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
     }
     if (has_e) dxr[ec] = Store<T>::cvt(ADD ? dxe(ge, xhe) + dre : dxe(ge, xhe));
   }
-  // none exits while its last row's sums may be on their way into another block's memory
-  if constexpr (CL > 1) cluster_sync();
   // every column once: the middle's by its vectors' threads, the head's and tail's by theirs
   C* prow = partial ? partial + (cl_i64)blockIdx.x * 2 * N : nullptr;
   auto flush = [&](cl_i64 c, C sg, C sb) {
@@ -523,20 +517,6 @@ __device__ __forceinline__ void bwd_peeled_rows(CLN_BWD_PARAMS) {
     for (int j = 0; j < VEC; ++j) flush(head + col + j, acc_g[k][j], acc_b[k][j]);
   }
   if (has_e) flush(ec, eg, eb);
-}
-
-template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false,
-          bool ADD = false>
-__global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
-  bwd_peeled_rows<T, W, LN, NPT, WARP, TILES, ADD, 1>(CLN_BWD_ARGS);
-}
-
-// Peeled long rows over a cluster of CL column tiles (sm_90; the planner's choice where the row's
-// middle fits in them): x and dy read once, where norm_bwd_rowsums and the tiles read them twice.
-template <typename T, typename W, bool LN, int NPT, int WARP, int CL, bool ADD = false>
-__global__ void __launch_bounds__(bwd_max_threads(NPT))
-CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_peeled_cluster(CLN_BWD_PARAMS) {
-  bwd_peeled_rows<T, W, LN, NPT, WARP, true, ADD, CL>(CLN_BWD_ARGS);
 }
 
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in

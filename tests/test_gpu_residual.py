@@ -181,24 +181,6 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
         plans.monkeypatch.undo()
 
 
-@pytest.mark.parametrize("op", ["ln", "rms"])
-@pytest.mark.parametrize("M,N,dt,wdt,hdt", [(40, 70001, BF16, BF16, None),
-                                            (9, 65535, F16, F32, F32), (3, 20001, F32, F32, None)])
-def test_fused_add_backward_peeled_over_a_cluster(plans, op, M, N, dt, wdt, hdt):
-    """The fused add's peeled backward over a cluster's column tiles (sm_90; dresidual added to
-    dx) matches the reference, deterministic too, as without it (``peel_cluster=False``)."""
-    from cupyln import _plan
-
-    clusters = _plan.device_info(cp.cuda.Device().id).clusters
-    plans.spy("bwd")
-    for on in (True, False):
-        plans.replan(bwd_peel_cluster=on, bwd_peel_tile_rows=0)
-        run_fused(op, M, N, dt, wdt, hdt, config=plans.config)
-        run_fused(op, M, N, dt, wdt, hdt, config=plans.config, deterministic=True)
-        assert plans and all((p.variant == "bwd_peeled_cluster") == (on and clusters)
-                             for p in plans), [p.variant for p in plans]
-
-
 # The backward's variants, each reached by its config: rows in a block with partials or atomics,
 # staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows,
 # long rows held in shared memory or over a cooperative grid.

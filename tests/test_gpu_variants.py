@@ -710,26 +710,29 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
     (5, 65537, F64, F64, 0), (3, 262143, BF16, F32, 0), (3, 400001, BF16, BF16, 0),
     (300, 50257, F16, F16, 8)])
 def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
-    """Peeled rows longer than one block split over a cluster (sm_90; here for few rows too:
-    ``peel_parts_rows=0``, and RMSNorm's rows of 16 blocks for any M) match the reference, rows
-    of longer strides included, as without (``peel_cluster=False``); the plan takes the cluster
-    exactly where the device has clusters and its fewest blocks hold the row's middle."""
+    """Peeled rows that would go in chunks split over a cluster instead (sm_90; here for few
+    rows too: ``peel_parts_rows=0``, and RMSNorm's rows of 16 blocks for any M) and match the
+    reference, rows of longer strides included, as without (``peel_cluster=False``); the plan
+    takes the cluster exactly where the device has clusters, its fewest blocks hold the row's
+    middle and the plan without it is the chunked kernel."""
     from cupyln import _plan
 
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     case = inputs(M, N, dt, wdt)
     info = _plan.device_info(cp.cuda.Device().id)
     plans.spy("fwd")
-    for on in (True, False):
+    chunked = []
+    for on in (False, True):
         plans.replan(fwd_peel_parts_rows=0, fwd_peel_cluster=on, fwd_cluster_long_min_rows=0)
         check_case(op, *case, layout=layout, config=plans.config)
-        wide = 16 // dt.itemsize
-        tiles = _fwd_cluster_tiles(plans.config.fwd, info, op, M, N, wide)
-        cluster = on and info.clusters and tiles > 0
         assert plans and all(p.variant.startswith("fwd_peeled") for p in plans)
-        assert all((p.variant == "fwd_peeled_cluster") == cluster for p in plans), \
-            [p.variant for p in plans]
-        assert not cluster or all(p.grid[1] == tiles for p in plans)
+        if not on:
+            chunked = [p.variant == "fwd_peeled_chunked" for p in plans]
+            continue
+        tiles = _fwd_cluster_tiles(plans.config.fwd, info, op, M, N, 16 // dt.itemsize)
+        assert [p.variant == "fwd_peeled_cluster" for p in plans] == \
+            [c and info.clusters and tiles > 0 for c in chunked], [p.variant for p in plans]
+        assert all(p.grid[1] == tiles for p in plans if p.variant == "fwd_peeled_cluster")
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -857,38 +860,6 @@ def test_peeled_rows_staged(plans, op, M, N, dt, wdt, extra):
                       [({"fwd_stage": "auto"}, "fwd_peeled_staged"),
                        ({"fwd_stage": "never", "fwd_peel_block_spill": 1 << 20},
                         "fwd_peeled")])
-
-
-@pytest.mark.parametrize("op", ["ln", "rms"])
-@pytest.mark.parametrize("M,N,dt,wdt,extra", [
-    (40, 70001, BF16, BF16, 0), (9, 131071, F16, F32, 8), (30, 40001, F32, F32, 0),
-    (5, 65537, F64, F64, 0), (300, 50257, F16, F16, 8), (2, 20001, F32, F32, 0),
-    (1, 131071, BF16, BF16, 0)])
-def test_peeled_backward_over_a_cluster(plans, op, M, N, dt, wdt, extra):
-    """Peeled rows longer than one block on the column tiles of a cluster (sm_90; here few
-    rows too: ``peel_tile_rows=0``) match the reference, dx with dgamma/dbeta and the
-    deterministic parameters' gradients alone, rows of longer strides included, as without
-    (``peel_cluster=False``); the plan takes the cluster exactly where the device has clusters
-    and the fewest tiles of ``cluster_npt`` vectors per thread that hold the middle exist."""
-    from cupyln import _plan
-
-    layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
-    case = inputs(M, N, dt, wdt)
-    cfg, info = cupyln.BwdConfig(), _plan.device_info(cp.cuda.Device().id)
-    nvec = N // (16 // dt.itemsize)
-    tiles = next((t for t in (cfg.cluster_tiles, cfg.cluster_tiles_long)
-                  if -(-nvec // (t * cfg.cluster_npt)) <= 512), 0)
-    plans.spy("bwd")
-    for on in (True, False):
-        plans.replan(bwd_peel_cluster=on, bwd_peel_tile_rows=0)
-        check_case(op, *case, layout=layout, config=plans.config)
-        check_case(op, *case, layout=layout, config=plans.config, deterministic=True,
-                   need=(False, True, op == "ln"))
-        cluster = on and info.clusters and tiles > 0
-        assert plans and all(p.variant.startswith("bwd_peeled") for p in plans)
-        assert all((p.variant == "bwd_peeled_cluster") == cluster for p in plans), \
-            [p.variant for p in plans]
-        assert not cluster or all(p.grid[1] == tiles for p in plans)
 
 
 @pytest.mark.parametrize("dt,wdt,N", [(BF16, BF16, 3583), (F16, F32, 3583), (F32, F32, 3583),

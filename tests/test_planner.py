@@ -431,10 +431,10 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
         assert s.npt == FWD.npt and (parts - 1) * tpr * s.npt < nvec <= parts * tpr * s.npt
         assert set(plan.launch) == {"fwd_parts", "fwd"}
         return
-    if plan.variant == "fwd_peeled_cluster":  # (its switch's own test)
-        assert FWD.peel_cluster
-        return
     chunked = not in_parts and nvec > 8 * FWD.tpr_max
+    if plan.variant == "fwd_peeled_cluster":  # in place of chunks (its switch's own test)
+        assert chunked and FWD.peel_cluster and not hip
+        return
     assert (plan.variant == "fwd_peeled_chunked") == chunked, plan.variant
     if chunked:
         assert plan.grid == (min(M, 132 * FWD.grid_per_sm),) and plan.block == (FWD.tpr_max, 1)
@@ -461,24 +461,25 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
 @example("bfloat16", 2670, 50257, 32, True)
 @example("float32", 1000, 20001, 64, True)
 @example("bfloat16", 1024, 131071, 32, False)
+@example("bfloat16", 2048, 65535, 32, True)
 @example("bfloat16", 3, 400001, 32, False)
 @example("bfloat16", 20, 400001, 32, False)
 @example("bfloat16", 600, 400001, 32, False)
-def test_peeled_rows_over_a_cluster_where_switched_on(dt, M, N, warp, is_ln):
-    """``peel_cluster=True``: peeled rows longer than one block, more than parts take, split over
-    the cluster the aligned rows' rule gives (the fewest blocks whose one chunk holds the
-    middle: 8, RMSNorm's 16 from ``cluster_long_min_rows`` rows), whole warps each covering the
-    row's middle, the grid's clusters covering M or at its cap; every other plan is the one
-    without the switch."""
-    on_cfg = Config(fwd=FwdConfig(peel_cluster=True))
-    off, _ = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln)
-    on, built = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln, config=on_cfg)
+def test_peeled_rows_over_a_cluster_in_place_of_chunks(dt, M, N, warp, is_ln):
+    """``peel_cluster`` (on): peeled rows that would go in chunks (``peel_cluster=False``)
+    split over the cluster the aligned rows' rule gives (the fewest blocks whose one chunk
+    holds the middle: 8, RMSNorm's 16 from ``cluster_long_min_rows`` rows), whole warps each
+    covering the row's middle, the grid's clusters covering M or at its cap; every other plan
+    is the one without the switch."""
+    off_cfg = Config(fwd=FwdConfig(peel_cluster=False))
+    off, _ = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln, config=off_cfg)
+    on, built = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln)
     wide = 16 // _dtype(dt).itemsize
     nvec, chunk = N // wide, FWD.tpr_max * FWD.npt
     held = [t for t in _plan.fwd_cluster_sizes(FWD, is_ln, None) if nvec <= t * chunk]
     tiles = held[0] if held and (held[0] <= FWD.cluster_tiles
                                  or M >= FWD.cluster_long_min_rows) else 0
-    cluster = off.spec.peeled and off.variant != "fwd_peeled_parts" and nvec > chunk and tiles
+    cluster = off.variant == "fwd_peeled_chunked" and tiles
     assert (on.variant == "fwd_peeled_cluster") == bool(cluster), (on.variant, off.variant)
     if not cluster:
         assert (on.variant, on.grid, on.block) == (off.variant, off.grid, off.block)
@@ -488,41 +489,6 @@ def test_peeled_rows_over_a_cluster_where_switched_on(dt, M, N, warp, is_ln):
     assert (tpr - warp) * tiles * FWD.npt < nvec <= tpr * tiles * FWD.npt
     assert grid == min(M, 132 * FWD.grid_per_sm) and on.spec.peeled and on.spec.vec == wide
     assert set(on.launch) == {"fwd"} and set(built.values()) <= _plan.all_kernel_names(warp)
-
-
-@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
-       st.integers(1, 1 << 19), WARPS, st.booleans(), st.booleans())
-@example("bfloat16", 2670, 50257, 32, True, False)
-@example("bfloat16", 1024, 131071, 32, False, True)
-@example("float32", 1, 20001, 64, True, False)
-@example("float64", 100, 65537, 32, True, False)
-def test_peeled_backward_over_a_cluster_where_switched_on(dt, M, N, warp, is_ln, residual):
-    """``peel_cluster=True`` (backward): peeled rows longer than one block take the column
-    tiles of a cluster, the fewest of ``cluster_sizes`` whose ``cluster_npt`` vectors per thread
-    (at most ``bwd_threads`` threads, whole warps) hold the middle, where the clusters' rows of
-    blocks (one resident cluster in this mock, so the heads' period or M) each take
-    ``peel_tile_rows`` rows or are alone; partials summed past one row of clusters; every other
-    plan is the one without the switch."""
-    on_cfg = Config(bwd=BwdConfig(peel_cluster=True))
-    kw = dict(peel=True, is_ln=is_ln, residual=residual)
-    off, _ = _plan_without_gpu("bwd", dt, M, N, warp, **kw)
-    on, built = _plan_without_gpu("bwd", dt, M, N, warp, config=on_cfg, **kw)
-    wide = 16 // _dtype(dt).itemsize
-    nvec, most = N // wide, _plan.bwd_threads(BWD.cluster_npt)
-    held = [t for t in _plan.cluster_sizes(BWD) if -(-nvec // (t * BWD.cluster_npt)) <= most]
-    grid = M if M == 1 else min(M, wide // np.gcd(N, wide))
-    long = N % wide and N >= 2 * wide and nvec > BWD.npt * BWD.tpr_max
-    cluster = long and held and (grid == 1 or M >= BWD.peel_tile_rows * grid)
-    assert (on.variant == "bwd_peeled_cluster") == bool(cluster), (on.variant, off.variant)
-    if not cluster:
-        assert (on.variant, on.grid, on.block) == (off.variant, off.grid, off.block)
-        return
-    (g, tiles), (tpr, one) = on.grid, on.block
-    assert tiles == on.spec.tiles == held[0] and one == 1 and tpr % warp == 0 and tpr <= most
-    assert (tpr - warp) * tiles * BWD.cluster_npt < nvec <= tpr * tiles * BWD.cluster_npt
-    assert g == grid and on.spec.peeled and on.spec.residual == residual
-    assert set(on.launch) == ({"bwd"} if g == 1 else {"bwd", "reduce"}) and on.direct == (g == 1)
-    assert set(built.values()) <= _plan.all_kernel_names(warp)
 
 
 def test_peeled_chunks_are_a_switch():
