@@ -123,8 +123,9 @@ class FwdConfig:
     peel_parts_rows: float = 4.0
     # Peeled rows that would run in chunks (read twice), over the blocks of a cluster where
     # `cluster`'s rule places the aligned rows' (norm_fwd_peeled_cluster, x read once; H100,
-    # against chunks): RMS 1024x131071 bf16 268 against 302 us, LN 2048x65535 304 / 314. Not in
-    # place of the staged or 8-vector block, which it lost to (LN 2670x50257 bf16 355 / 286).
+    # against chunks): LN 2048x65535 bf16 304 against 313 us, RMS 1024x131071 (16 blocks) 268 /
+    # 304. Not RMSNorm's 8 blocks (2048x65535 251 / 241), nor in place of the staged or
+    # 8-vector block, which it lost to (LN 2670x50257 bf16 355 / 286).
     peel_cluster: bool = True
     # Peeled rows past one block of 8 vectors per thread, more than parts take: the middle in
     # chunks of 16-byte vectors, read twice (norm_fwd_peeled_chunked), against narrow vectors
