@@ -419,14 +419,16 @@ def _plan_fwd_peeled_long(config, info, dtype, wdtype, is_ln, M, N, g, hdtype):
 def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     """Peeled rows longer than one block (geometry ``g`` of their 16-byte vectors) split over the
     blocks of a cluster, whole warps each, where one chunk of it holds the row's middle
-    (``fwd_cluster_tiles``; RMSNorm's: past ``cluster_tiles`` blocks), one row per cluster at a
-    time; None where ``peel_cluster`` or the rules say no, or the driver cannot place such a
-    cluster."""
+    (``fwd_cluster_tiles``; RMSNorm's: in blocks of ``peel_cluster_rms_threads`` threads or
+    more), one row per cluster at a time; None where ``peel_cluster`` or the rules say no, or
+    the driver cannot place such a cluster."""
     cfg, vec = config.fwd, 16 // dtype.itemsize
     tiles = cfg.peel_cluster and fwd_cluster_tiles(cfg, info, dtype, is_ln, None, vec, g, M, N)
-    if not tiles or (not is_ln and tiles <= cfg.cluster_tiles):
-        return None  # RMSNorm's chunks won at 8 blocks (2048x65535 bf16 240.6 / 251.3 us)
+    if not tiles:
+        return None
     block = (round_up(cdiv(N // vec, tiles * cfg.npt), info.warp), 1)
+    if not is_ln and block[0] < cfg.peel_cluster_rms_threads:
+        return None
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip, peeled=True)
     kern = _compile.kernels(spec, "fwd", config.source)["fwd_peeled_cluster"]
     if _driver.max_active_clusters(kern, (1, tiles), block, 0) == 0:

@@ -711,7 +711,8 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
     (300, 50257, F16, F16, 8)])
 def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
     """Peeled rows that would go in chunks split over a cluster instead (sm_90; here for few
-    rows too: ``peel_parts_rows=0``; RMSNorm's rows of 16 blocks alone, for any M) and match the
+    rows too: ``peel_parts_rows=0``; RMSNorm's in blocks of ``peel_cluster_rms_threads`` or
+    more, and its rows of 16 blocks for any M) and match the
     reference, rows of longer strides included, as without (``peel_cluster=False``); the plan
     takes the cluster exactly where the device has clusters, its fewest blocks hold the row's
     middle and the plan without it is the chunked kernel."""
@@ -731,7 +732,8 @@ def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
             continue
         cfg = plans.config.fwd
         tiles = _fwd_cluster_tiles(cfg, info, op, M, N, 16 // dt.itemsize)
-        held = tiles > (0 if op == "ln" else cfg.cluster_tiles)  # RMSNorm: 16 blocks
+        threads = -(-(N // (16 // dt.itemsize)) // (tiles * cfg.npt * 32)) * 32 if tiles else 0
+        held = tiles > 0 and (op == "ln" or threads >= cfg.peel_cluster_rms_threads)
         assert [p.variant == "fwd_peeled_cluster" for p in plans] == \
             [c and info.clusters and held for c in chunked], [p.variant for p in plans]
         assert all(p.grid[1] == tiles for p in plans if p.variant == "fwd_peeled_cluster")

@@ -462,14 +462,15 @@ def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
 @example("float32", 1000, 20001, 64, True)
 @example("bfloat16", 1024, 131071, 32, False)
 @example("bfloat16", 2048, 65535, 32, True)
+@example("bfloat16", 2048, 65535, 32, False)
 @example("bfloat16", 3, 400001, 32, False)
 @example("bfloat16", 20, 400001, 32, False)
 @example("bfloat16", 600, 400001, 32, False)
 def test_peeled_rows_over_a_cluster_in_place_of_chunks(dt, M, N, warp, is_ln):
     """``peel_cluster`` (on): peeled rows that would go in chunks (``peel_cluster=False``)
     split over the cluster the aligned rows' rule gives (the fewest blocks whose one chunk
-    holds the middle: 8, RMSNorm's 16 from ``cluster_long_min_rows`` rows; RMSNorm's only
-    where that is 16), whole warps each
+    holds the middle: 8, RMSNorm's 16 from ``cluster_long_min_rows`` rows; RMSNorm's only in
+    blocks of ``peel_cluster_rms_threads`` or more), whole warps each
     covering the row's middle, the grid's clusters covering M or at its cap; every other plan
     is the one without the switch."""
     off_cfg = Config(fwd=FwdConfig(peel_cluster=False))
@@ -480,8 +481,9 @@ def test_peeled_rows_over_a_cluster_in_place_of_chunks(dt, M, N, warp, is_ln):
     held = [t for t in _plan.fwd_cluster_sizes(FWD, is_ln, None) if nvec <= t * chunk]
     tiles = held[0] if held and (held[0] <= FWD.cluster_tiles
                                  or M >= FWD.cluster_long_min_rows) else 0
+    threads = -(-nvec // (tiles * FWD.npt * warp)) * warp if tiles else 0  # a block's
     cluster = off.variant == "fwd_peeled_chunked" and tiles and \
-        (is_ln or tiles > FWD.cluster_tiles)  # RMSNorm: 16 blocks
+        (is_ln or threads >= FWD.peel_cluster_rms_threads)
     assert (on.variant == "fwd_peeled_cluster") == bool(cluster), (on.variant, off.variant)
     if not cluster:
         assert (on.variant, on.grid, on.block) == (off.variant, off.grid, off.block)
