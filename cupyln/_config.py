@@ -126,9 +126,9 @@ class FwdConfig:
     # against chunks): LN 2048x65535 bf16 304 against 313 us, LN 1024x131071 331 / 334. Not in
     # place of the staged or 8-vector block, which it lost to (LN 2670x50257 bf16 355 / 286).
     peel_cluster: bool = True
-    # RMSNorm's only in blocks of at least `peel_cluster_rms_threads`: its chunks, one exchange
-    # fewer per row, won at 256 (2048x65535 bf16 241 against 251 us), not at 512 (1024x131071
-    # 302 against 268).
+    # RMSNorm's only in blocks of at least `peel_cluster_rms_threads`: its chunks won against
+    # blocks of 256 (2048x65535 bf16 241 against 251 us), lost against 512 (1024x131071 302 /
+    # 268).
     peel_cluster_rms_threads: int = 512
     # Peeled rows past one block of 8 vectors per thread, more than parts take: the middle in
     # chunks of 16-byte vectors, read twice (norm_fwd_peeled_chunked), against narrow vectors

@@ -369,8 +369,8 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     peel_parts_rows`` (the fused add's: ``parts_rows_add``), else at 8 vectors per thread
     (staged where the rows outnumber the resident blocks), or in chunks where 8 do not hold the
     row or their unstaged block spills (over a cluster instead where ``peel_cluster`` places
-    one); None elsewhere (narrow vectors then). ``hdtype``: the
-    fused add's h, peeled where it is x's dtype, on the same geometry but never staged."""
+    one); None elsewhere (narrow vectors then). ``hdtype``: the fused add's h, peeled where it
+    is x's dtype, on the same geometry but never staged."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
     if not cfg.peel or N < 2 * vec or hdtype not in (None, dtype):

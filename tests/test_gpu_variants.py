@@ -712,10 +712,10 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
 def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
     """Peeled rows that would go in chunks split over a cluster instead (sm_90; here for few
     rows too: ``peel_parts_rows=0``; RMSNorm's in blocks of ``peel_cluster_rms_threads`` or
-    more, and its rows of 16 blocks for any M) and match the
-    reference, rows of longer strides included, as without (``peel_cluster=False``); the plan
-    takes the cluster exactly where the device has clusters, its fewest blocks hold the row's
-    middle and the plan without it is the chunked kernel."""
+    more, and its rows of 16 blocks for any M) and match the reference, rows of longer strides
+    included, as without (``peel_cluster=False``); the plan takes the cluster exactly where
+    the device has clusters, its fewest blocks hold the row's middle and the plan without it
+    is the chunked kernel."""
     from cupyln import _plan
 
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)

@@ -470,9 +470,9 @@ def test_peeled_rows_over_a_cluster_in_place_of_chunks(dt, M, N, warp, is_ln):
     """``peel_cluster`` (on): peeled rows that would go in chunks (``peel_cluster=False``)
     split over the cluster the aligned rows' rule gives (the fewest blocks whose one chunk
     holds the middle: 8, RMSNorm's 16 from ``cluster_long_min_rows`` rows; RMSNorm's only in
-    blocks of ``peel_cluster_rms_threads`` or more), whole warps each
-    covering the row's middle, the grid's clusters covering M or at its cap; every other plan
-    is the one without the switch."""
+    blocks of ``peel_cluster_rms_threads`` or more), whole warps each covering the row's
+    middle, the grid's clusters covering M or at its cap; every other plan is the one without
+    the switch."""
     off_cfg = Config(fwd=FwdConfig(peel_cluster=False))
     off, _ = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln, config=off_cfg)
     on, built = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln)
