@@ -732,7 +732,8 @@ def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
             continue
         cfg = plans.config.fwd
         tiles = _fwd_cluster_tiles(cfg, info, op, M, N, 16 // dt.itemsize)
-        threads = -(-(N // (16 // dt.itemsize)) // (tiles * cfg.npt * 32)) * 32 if tiles else 0
+        wp = info.warp
+        threads = -(-(N // (16 // dt.itemsize)) // (tiles * cfg.npt * wp)) * wp if tiles else 0
         held = tiles > 0 and (op == "ln" or threads >= cfg.peel_cluster_rms_threads)
         assert [p.variant == "fwd_peeled_cluster" for p in plans] == \
             [c and info.clusters and held for c in chunked], [p.variant for p in plans]
