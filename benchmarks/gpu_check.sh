@@ -91,7 +91,11 @@ for s in $stages; do
         python3 benchmarks/small_kernels.py "$OUT/${s}_cases.txt"
       python3 benchmarks/small_kernels.py --table "$OUT/${s}_cases.txt" "$OUT/$s.csv" \
         >"$OUT/$s.log" 2>&1 ;;
-    bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
+    bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png"
+      # the issues' targets, and each pass against this card's current record
+      old=benchmarks/results/$(grep -q H200 "$OUT/gpu.txt" && echo h200 || echo h100).json
+      [ -f "$OUT/bench.json" ] && python3 benchmarks/targets.py "$OUT/bench.json" "$old" \
+        >"$OUT/targets.log" 2>&1 ;;
   esac
 done
 mkdir -p "$OUT/cache" && tar czf "$OUT/cache/cache.tgz" -C "$CUPY_CACHE_DIR" . 2>/dev/null
@@ -99,6 +103,7 @@ echo; echo "==== failures (first lines) ===="
 grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head -n 25
 [ -f "$OUT/tune.log" ] && { echo; echo "==== tune ===="; cat "$OUT/tune.log"; }
 [ -f "$OUT/ncu_stalls.log" ] && { echo; echo "==== ncu_src (samples per instruction) ===="; cat "$OUT/ncu_stalls.log"; }
+[ -f "$OUT/targets.log" ] && { echo; echo "==== targets ===="; cat "$OUT/targets.log"; }
 [ -f "$OUT/leave_out.log" ] && { echo; echo "==== leave_out ===="; cat "$OUT/leave_out.log"; }
 [ -f "$OUT/hostprof.log" ] && { echo; echo "==== hostprof ===="; grep -B100 -m1 -e "----" "$OUT/hostprof.log"; }
 [ -f "$OUT/small.log" ] && { echo; echo "==== small (ncu kernel durations) ===="; cat "$OUT/small.log"; }

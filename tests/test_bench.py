@@ -129,3 +129,29 @@ def test_plot_draws_the_sweep_with_its_odd_lengths(tmp_path):
     path = tmp_path / "plot.png"
     bench.plot({"rows": rows, "copy_GBs": 4000.0}, path)
     assert path.stat().st_size > 10_000
+
+
+def test_targets_tell_met_from_missed(tmp_path, capsys):
+    """A record with one pass at 90% of copy and one at 50% reads met and MISSED, with the
+    missed pass named; a target whose rows the record lacks does not read as met."""
+    targets = _script("targets")
+
+    def row(op, M, N, p, prov, us, frac):
+        return {"op": op, "M": M, "N": N, "dtype": "bfloat16", "pass": p, "provider": prov,
+                "us": us, "GBs": 1000.0 * frac}
+
+    rec = {"copy_GBs": 1000.0, "rows": [
+        row("layernorm", 65536, 2048, "fwd", "cupyln", 100.0, 0.90),
+        row("layernorm", 65536, 2048, "fwd", "torch", 150.0, 0.60),
+        row("layernorm", 2048, 65536, "fwd", "cupyln", 100.0, 0.50),
+        row("layernorm", 2048, 65536, "fwd", "liger", 90.0, 0.55),
+        row("layernorm", 1, 1048576, "fwd", "cupyln", 14.0, 0.1)]}
+    path = tmp_path / "rec.json"
+    path.write_text(__import__("json").dumps(rec))
+    targets.main(str(path))
+    out = {line.split("  ")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert "MISSED" in out["#41 large passes, forward >= 88% of copy"]
+    assert "2048x65536 bfloat16 50.0%" in out["#41 large passes, forward >= 88% of copy"]
+    assert "met" in out["#41 1x1048576 bf16 fwd <= 15 us"]
+    assert "lacks" in out["#41 1x1048576 bf16 bwd <= 20 us"]
+    assert "1 missed" in out["#41 no slower than the best peer (plain passes)"]

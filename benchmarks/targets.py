@@ -1,0 +1,117 @@
+"""The long-rows (#41) and fused-add (#43) targets, met or missed, read from one record.
+
+    python benchmarks/targets.py RECORD.json [OLD.json]   # OLD: the "no shape 2% slower" target
+
+A line per target: met / MISSED, the worst case and its margin. Only cupyln's device-time rows
+count; a target whose rows the record lacks says so rather than passing.
+"""
+
+import json
+import sys
+
+LARGE = 256 << 20  # bytes of one row array from which a pass must reach the bandwidth targets
+SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def load(path):
+    """(copy GB/s, {(op, M, N, dtype, pass, provider): row}) of a record's device-time rows."""
+    rec = json.load(open(path))
+    rows = {(r["op"], r["M"], r["N"], r["dtype"], r["pass"], r["provider"]): r
+            for r in rec["rows"] if r["GBs"] is not None and r["us"] is not None}
+    return rec["copy_GBs"], rows
+
+
+def worst(cases):
+    """The case of least margin: cases are (margin, text); a margin below 0 misses."""
+    if not cases:
+        return "no rows  (the record lacks them)"
+    m, text = min(cases)
+    return f"{'met   ' if m >= 0 else 'MISSED'}  worst {text}  ({len(cases)} passes)"
+
+
+def bandwidth(copy, rows, ops, pass_, need, large=True):
+    """Margins of cupyln's passes against a fraction of copy."""
+    out = []
+    for (op, M, N, dt, p, prov), r in rows.items():
+        if op in ops and p == pass_ and prov == "cupyln" and (M * N * SIZES[dt] >= LARGE) == large:
+            frac = r["GBs"] / copy
+            out.append((frac - need, f"{op} {M}x{N} {dt} {100 * frac:.1f}%"))
+    return out
+
+
+def peers(rows, provider="cupyln"):
+    """Margins of cupyln against the fastest peer of each pass (a peer's time / cupyln's - 1)."""
+    out = []
+    for (op, M, N, dt, p, prov), r in rows.items():
+        others = [o["us"] for k, o in rows.items() if k[:5] == (op, M, N, dt, p)
+                  and k[5] in ("torch", "liger")]
+        if prov == provider and p in ("fwd", "bwd") and others:
+            best = min(others)
+            text = f"{op} {M}x{N} {dt} {p} {r['us']:.1f} / peer {best:.1f} us"
+            out.append((best / r["us"] - 1, text))
+    return out
+
+
+def shape_us(rows, op, M, N, dt, pass_, limit):
+    r = rows.get((op, M, N, dt, pass_, "cupyln"))
+    return [] if r is None else [(limit - r["us"], f"{op} {M}x{N} {dt} {pass_} {r['us']:.2f} us")]
+
+
+def fused(copy, rows):
+    """#43: the fused passes' fraction of copy against the plain pass's, and the speed-ups."""
+    frac, speed = {"fwd": [], "bwd": []}, {"fwd": [], "bwd": []}
+    for (op, M, N, dt, p, prov), r in rows.items():
+        if not op.endswith("_add") or prov != "cupyln":
+            continue
+        plain = rows.get((op[:-4], M, N, dt, p, "cupyln"))
+        if plain is not None and M * N * SIZES[dt] >= LARGE:
+            f, g = r["GBs"] / copy, plain["GBs"] / copy
+            frac[p].append((f - g, f"{op} {M}x{N} {dt} {100 * f:.1f}% / plain {100 * g:.1f}%"))
+        unfused = rows.get((op, M, N, dt, p, "cupyln_unfused"))
+        if unfused is not None:
+            need = 1.2 if p == "fwd" else 1.4
+            x = unfused["us"] / r["us"]
+            speed[p].append((x - need, f"{op} {M}x{N} {dt} {x:.2f}x"))
+    return frac, speed
+
+
+def main(path, old=None):
+    copy, rows = load(path)
+    lines = [("#41 large passes, forward >= 88% of copy",
+              bandwidth(copy, rows, ("layernorm", "rmsnorm"), "fwd", 0.88)),
+             ("#41 large passes, backward >= 82% of copy",
+              bandwidth(copy, rows, ("layernorm", "rmsnorm"), "bwd", 0.82))]
+    for p in ("fwd", "bwd"):
+        lines.append((f"#41 64x1048576 bf16 {p} >= 70% of copy",
+                      [c for op in ("layernorm", "rmsnorm") for c in bandwidth(
+                          copy, {k: v for k, v in rows.items() if k[1:3] == (64, 1048576)},
+                          (op,), p, 0.70, large=False)]))
+    for p, limit in (("fwd", 15.0), ("bwd", 20.0)):
+        lines.append((f"#41 1x1048576 bf16 {p} <= {limit:g} us",
+                      shape_us(rows, "layernorm", 1, 1048576, "bfloat16", p, limit)))
+    for p in ("fwd", "bwd"):
+        lines.append((f"#41 1x65536 bf16 {p} <= 8 us",
+                      shape_us(rows, "layernorm", 1, 65536, "bfloat16", p, 8.0)))
+    lines.append(("#41 no slower than the best peer (plain passes)",
+                  [c for c in peers(rows) if "_add" not in c[1]]))
+    if old is not None:
+        _, before = load(old)
+        cases = [(1.02 - r["us"] / before[k]["us"], f"{' '.join(map(str, k[:5]))} "
+                  f"{before[k]['us']:.1f} -> {r['us']:.1f} us")
+                 for k, r in rows.items() if k[5] == "cupyln" and k in before]
+        lines.append(("#41 no pass more than 2% slower than OLD", cases))
+    frac, speed = fused(copy, rows)
+    for p in ("fwd", "bwd"):
+        lines.append((f"#43 fused {p}: the plain pass's fraction of copy", frac[p]))
+        lines.append((f"#43 fused {p} >= {1.2 if p == 'fwd' else 1.4}x add + norm", speed[p]))
+    lines.append(("#43 fused RMSNorm no slower than Liger's",
+                  [c for c in peers({k: v for k, v in rows.items() if k[0] == "rmsnorm_add"
+                                     and k[5] != "torch"})]))
+    width = max(len(t) for t, _ in lines)
+    for title, cases in lines:
+        missed = sum(m < 0 for m, _ in cases)
+        print(f"{title:<{width}}  {worst(cases)}" + (f"  {missed} missed" if missed else ""))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
