@@ -31,7 +31,9 @@ class FwdConfig:
     # Threads per block for rows of at most a warp (2% faster than 128 at 4096x1024).
     short_block: int = 256
     # Small M (one vector per thread fills at most `small_m_fill` of the thread slots): one vector
-    # per thread, so rows get more threads and shorter chains (32x512 f16: 4.8 against 5.4 us).
+    # per thread, so rows get more threads and shorter chains (32x512 f16: 4.8 against 5.4 us);
+    # also rows split over a cluster where every row's cluster runs at once (H100: 1x65536 bf16
+    # 8.13 against 8.91 us, RMS 7.18 / 8.93, 8x65536 8.74 / 9.26; staged at 32 rows, it lost).
     small_m: bool = True
     small_m_fill: float = 1.0
     # One vector per thread wherever such a row fits in a warp (131072x64 f16: 4% faster).

@@ -145,6 +145,8 @@ def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
         for h in (None, *(h_dtypes(s.dtype) if add else ())):
             for tiles in fwd_cluster_sizes(cfg, s.is_ln, h):
                 yield s._replace(npt=cfg.npt, tiles=tiles, hdtype=h), "fwd"
+        if cfg.small_m and cfg.cluster_tiles > 1:  # few rows: one vector per thread
+            yield s._replace(npt=1, tiles=cfg.cluster_tiles), "fwd"
         if cfg.resident_npt:  # rows in a cluster's shared memory
             for tiles in cluster_sizes(cfg):
                 yield s._replace(npt=cfg.resident_npt, tiles=tiles, resident=True), "fwd"
@@ -535,31 +537,46 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     """Rows split over the blocks of a cluster (``fwd_cluster_tiles``), whole warps each, where
     one chunk of the cluster holds the row: staged where resident clusters loop over rows, else
     one cluster per row (the fused add: direct, and in blocks of ``tpr_max`` threads for few
-    rows only). None where the rules say no or the driver cannot place such a cluster (longer
+    rows only); one vector per thread for small M (``small_m``) where every row's cluster runs
+    at once. None where the rules say no or the driver cannot place such a cluster (longer
     rows: in parts over the grid where few, else a block each)."""
     cfg = config.fwd
     tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, hdtype, vec, g, M, N)
     if not tiles:
         return None
+    if hdtype is None and tiles == cfg.cluster_tiles and cfg.small_m and cfg.npt > 1:
+        tpr = round_up(cdiv(N // vec, tiles), info.warp)
+        fill = M * tiles * tpr <= cfg.small_m_fill * info.sms * info.threads_per_sm
+        plan = _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 1) \
+            if fill and tpr <= cfg.tpr_max else None
+        if plan is not None and plan.smem == 0:  # staged rows keep their vectors in flight
+            return plan
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     if hdtype is not None and tpr >= cfg.tpr_max and M > info.sms * cfg.cluster_few_rows:
         return None  # nothing overlaps the exchanges: split only where SMs would idle
-    main = "fwd_cluster"
-    block = (tpr, 1)
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip,
-                hdtype=hdtype)
+    return _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, cfg.npt)
+
+
+def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, npt):
+    """The plan of rows split over clusters of ``tiles`` blocks of ``npt`` vectors per thread
+    (``_plan_fwd_cluster``'s rules); None where the driver cannot place such a cluster."""
+    cfg = config.fwd
+    block = (round_up(cdiv(N // vec, tiles * npt), info.warp), 1)
+    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, hip=info.hip, hdtype=hdtype)
     kerns = _compile.kernels(spec, "fwd", config.source)
+    main = "fwd_cluster"
     if _driver.max_active_clusters(kerns[main], (1, tiles), block, 0) == 0:
         return None
     grid, smem = (min(M, info.sms * cfg.grid_per_sm), tiles), 0
-    if main == "fwd_cluster" and "fwd_cluster_staged" in kerns:
-        stage = staging_bytes(info, dtype, vec, cfg.npt, block[0], 1)
+    if "fwd_cluster_staged" in kerns:
+        stage = staging_bytes(info, dtype, vec, npt, block[0], 1)
         resident = _driver.max_active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
                                                stage)
         if resident and stages(cfg.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
-    if main + "_full" in kerns and cfg.full and N % (tiles * tpr * cfg.npt * vec) == 0:
+    if main + "_full" in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0:
         main += "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
+        _driver.allow_cluster(kerns[main], tiles)  # past the portable size: opted in here
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
@@ -596,6 +613,9 @@ def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     return Plan(spec, "fwd_resident", kern, grid, block, smem, launch)
 
 
+FWD_PARTS_NPT = 4  # vectors per thread of norm_fwd_parts' chunks (fixed in the kernel)
+
+
 def parts_geometry(per_sm, npt, tpr_max, info, M, N, vec):
     """(threads per block, parts per row) of rows split over the grid: about ``per_sm`` blocks
     per SM over all rows, the fewest whole warps (at most ``tpr_max`` threads) of ``npt``
@@ -625,7 +645,8 @@ def _parts_plan(config, info, spec, pass_, variant, M, N, args):
     ``spec``'s module of ``pass_``: about ``parts_per_sm`` blocks per SM over rows of N
     elements in vectors."""
     cfg = config.fwd
-    tpr, parts = parts_geometry(cfg.parts_per_sm, cfg.npt, cfg.tpr_max, info, M, N, spec.vec)
+    tpr, parts = parts_geometry(cfg.parts_per_sm, FWD_PARTS_NPT, cfg.tpr_max, info, M, N,
+                                spec.vec)
     kerns = _compile.kernels(spec, pass_, config.source)
     grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", spec.dtype)
     launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),

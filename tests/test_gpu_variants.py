@@ -326,13 +326,14 @@ def _fwd_cluster_tiles(cfg, info, op, M, N, vec):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (300, 65536, BF16, F32, True), (3, 65544, F16, F16, False), (2, 1 << 20, BF16, BF16, True),
-    (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False),
+    (5, 300008, F32, F32, True), (1, 65536, BF16, F32, False), (6, 50000, BF16, BF16, True),
     (2, 40000, F64, F64, True), (400, 40000, F32, F32, True), (3, 262152, F16, F32, False),
     (300, 200000, F32, F32, True)])
 def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     """Forward rows longer than a block split over a cluster (direct, or staged where resident
-    clusters loop over rows; rows not a multiple of the cluster's chunk, strided rows; 16
-    blocks, past the portable size, where 8 do not hold RMSNorm's rows) match the reference, as
+    clusters loop over rows; one vector per thread for few rows (1 x 65536, 6 x 50000); rows
+    not a multiple of the cluster's chunk, strided rows; 16 blocks, past the portable size,
+    where 8 do not hold RMSNorm's rows) match the reference, as
     the path without clusters does; the plan takes it exactly where the device has clusters and
     one chunk of the cluster holds the row, the fewest blocks that do (rows in parts turned
     off: longer rows then take a block each)."""

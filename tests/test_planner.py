@@ -165,6 +165,7 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
             mock.patch.object(_plan._driver, "max_active_clusters",
                               lambda k, cl, *a: int(cl[0] * cl[1] <= most_blocks)), \
             mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
+            mock.patch.object(_plan._driver, "allow_cluster", lambda kern, blocks: None), \
             mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
         peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
@@ -235,7 +236,8 @@ def test_forward_plan_takes_a_kernel_its_module_builds(dt, M, N, warp):
 @example("bfloat16", 64, 1 << 20, 32, True, True)  # longer than a cluster: in parts, or a block
 @example("bfloat16", 256, 1 << 19, 32, True, False)  # longer than 8 blocks hold: 16, staged
 @example("bfloat16", 11, 1 << 19, 32, True, False)  # ... but too few rows: none
-@example("bfloat16", 1, 65536, 32, True, True)  # one row: direct
+@example("bfloat16", 1, 65536, 32, True, True)  # one row: direct, one vector per thread
+@example("float16", 1, 131072, 32, True, True)  # ... where 8 blocks of them hold it: here not
 @example("bfloat16", 131, 32768, 32, True, True)  # fits a block
 def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, warp, clusters,
                                                                      ln):
@@ -244,7 +246,8 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     of whole warps (RMSNorm's rows that need more, at least ``cluster_long_min_rows`` of them:
     ``cluster_tiles_long``): staged (resident clusters looping over rows, two buffers of
     the block's part in shared memory) where there are more rows than resident clusters, else
-    one cluster per row; no other row is (longer ones go in parts over the grid, or a block
+    one cluster per row, of one vector per thread where such blocks hold the row; no other
+    row is (longer ones go in parts over the grid, or a block
     each), with or without rows in parts; LayerNorm's rows that are a whole number of the
     cluster's chunks without column tests. (Rows held in a cluster's shared memory, off here,
     have their own test.)"""
@@ -266,7 +269,9 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
         return
     tpr = plan.block[0]
     assert s.tiles == held[0] and plan.block[1] == 1
-    assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == FWD.npt
+    # one vector per thread where the row's cluster runs alone (the mock places one cluster)
+    one = M == 1 and s.tiles == FWD.cluster_tiles and -(-N // vec // s.tiles) <= FWD.tpr_max
+    assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == (1 if one else FWD.npt)
     cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
     assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
     staged = plan.variant.startswith("fwd_cluster_staged")
@@ -674,6 +679,23 @@ def _check_fwd_parts(dt, M, N, warp, target, hip, hdtype):
     assert set(plan.launch) == {"fwd_parts", "fwd"}
     assert plan.launch["fwd"].kern.name == built["fwd_apply"]
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
+
+
+@given(st.sampled_from([1, 2, 8]), st.integers(1, 264), st.integers(1 << 15, 1 << 21),
+       st.sampled_from(["sm_90", "sm_80"]))
+@example(1, 2, 131072, "sm_90")
+def test_forward_parts_cover_the_row_whatever_vectors_per_thread(npt, M, N, target):
+    """The parts' geometry counts the vectors per thread that norm_fwd_parts is built with,
+    not the config's ``npt``: every part of the grid starts within the row (the kernel traps on
+    a part past it), and the parts cover it."""
+    config = Config(fwd=FwdConfig(npt=npt, resident_npt=0))
+    plan, _ = _plan_without_gpu("fwd", "float16", M, N, 32, target == "sm_90", config=config)
+    if plan.variant != "fwd_parts":
+        return
+    (parts, rows), (tpr, _) = plan.grid, plan.block
+    assert rows == M
+    _check_parts_geometry(parts, tpr, _plan.FWD_PARTS_NPT, 8, M, N, 32, FWD.tpr_max,
+                          FWD.parts_per_sm)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
