@@ -94,7 +94,7 @@ for s in $stages; do
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png"
       # the issues' targets, and each pass against this card's current record
       old=benchmarks/results/$(grep -q H200 "$OUT/gpu.txt" && echo h200 || echo h100).json
-      [ -f "$OUT/bench.json" ] && python3 benchmarks/targets.py "$OUT/bench.json" "$old" \
+      [ -f "$OUT/bench.json" ] && python3 benchmarks/targets.py "$OUT/bench.json" "$old" -v \
         >"$OUT/targets.log" 2>&1 ;;
   esac
 done
