@@ -361,6 +361,24 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         assert any(staged) == (on and info.clusters and M >= 300 and any(held))
 
 
+@pytest.mark.parametrize("fields,M,variant", [
+    (dict(fwd_npt=1, fwd_resident_npt=0), 2, "fwd_parts"),  # parts at their kernel's 4 vectors
+    (dict(fwd_npt=2, fwd_cluster=False), 2, "fwd_parts"),
+    (dict(fwd_cluster_tiles=16), 1, "fwd_cluster_full")])  # 16 blocks of whole chunks
+def test_forward_configs_off_the_defaults_plan_what_runs(plans, fields, M, variant):
+    """Configs the defaults never take plan kernels that launch and match the reference: rows
+    in parts under any ``FwdConfig.npt`` (the parts' kernel is built for 4 vectors per thread),
+    LayerNorm's rows of whole chunks over 16 blocks (past the portable cluster size)."""
+    from cupyln import _plan
+
+    if variant == "fwd_cluster_full" and not _plan.device_info(cp.cuda.Device().id).clusters:
+        pytest.skip("needs thread-block clusters (sm_90)")
+    plans.spy("fwd")
+    plans.replan(**fields)
+    check_case("ln", *inputs(M, 131072, F16, F16, has_b=True), config=plans.config)
+    assert {p.variant for p in plans} == {variant}
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (16, 1 << 20, BF16, BF16, True), (30, 600008, F16, F32, False), (40, 262152, F32, F32, True),
