@@ -549,7 +549,7 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
         fill = M * tiles * tpr <= cfg.small_m_fill * info.sms * info.threads_per_sm
         plan = _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 1) \
             if fill and tpr <= cfg.tpr_max else None
-        if plan is not None and plan.smem == 0:  # staged rows keep their vectors in flight
+        if plan is not None and plan.smem == 0:  # staged, one vector lost (32x65536 bf16)
             return plan
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     if hdtype is not None and tpr >= cfg.tpr_max and M > info.sms * cfg.cluster_few_rows:
