@@ -13,9 +13,23 @@ from dataclasses import dataclass, field
 STAGE_MODES = ("auto", "always", "never")
 
 
-def _check_stage(config):
+THREADS = (64, 1024, 64)  # a block's threads: whole 64-thread groups (a warp on any device)
+BLOCK = (1, 1024, 1)  # threads per block the planner aims at
+COUNT = (1, None, 1)  # vectors per thread, blocks per SM
+CLUSTER = (0, 16, 1)  # blocks of a cluster: 0 or 1 for none, up to the hardware's 16
+
+
+def _check_fields(config, **ranges):
+    """ValueError, before any plan, for a ``stage`` not listed or a field outside its range
+    (``field=(lowest, highest or None, step)``): values the kernels cannot launch."""
     if config.stage not in STAGE_MODES:
         raise ValueError(f"stage must be one of {STAGE_MODES}, got {config.stage!r}")
+    for f, (lo, hi, step) in ranges.items():
+        v = getattr(config, f)
+        if v < lo or (hi is not None and v > hi) or v % step:
+            rng = f"at least {lo}" if hi is None else f"from {lo} to {hi}"
+            every = f", a multiple of {step}" if step > 1 else ""
+            raise ValueError(f"{type(config).__name__}.{f} must be {rng}{every}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,9 @@ class FwdConfig:
     # f32 5.47 / 5.98; even at 264 rows, and 528 lost (10.74 / 9.58). 0: off.
     peel_early_rows: float = 1.0
 
-    __post_init__ = _check_stage
+    def __post_init__(self):
+        _check_fields(self, tpr_max=THREADS, block=BLOCK, short_block=BLOCK, npt=COUNT,
+                      grid_per_sm=COUNT, cluster_tiles=CLUSTER, cluster_tiles_long=CLUSTER)
 
 
 @dataclass(frozen=True)
@@ -256,7 +272,10 @@ class BwdConfig:
     grid_add_sums: int = 16384
 
     def __post_init__(self):
-        _check_stage(self)
+        _check_fields(self, tpr_max=THREADS, tile_tpr=THREADS, rowsums_tpr=THREADS,
+                      grid_tpr=THREADS, block=BLOCK, npt_min=COUNT, npt=(self.npt_min, None, 1),
+                      tile_npt=COUNT, cluster_npt=COUNT, grid_npt=COUNT, cluster_tiles=CLUSTER,
+                      cluster_tiles_long=CLUSTER, csum_blocks=CLUSTER)
         steps = self.grid_buffers // max(self.grid_step_rows, 1)
         if self.grid_step_rows < 1 or self.grid_buffers % self.grid_step_rows or \
                 not 0 <= self.grid_lag < steps:
