@@ -43,7 +43,7 @@ CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 3, 30001, "float32", None),        # or one block of 8 vectors per thread
     ("layernorm", 300, 20001, "float16", None),      # backward peeled on column tiles
     ("rmsnorm", 1, 40000, "float16", "float32"),     # (column tiles; a cluster of them)
-    ("layernorm", 4, 50000, "bfloat16", None),       # few rows over a cluster, 1 vector each
+    ("layernorm", 4, 50000, "bfloat16", None),       # few rows: 1 vector each, 16 tiles back
     ("rmsnorm", 7, 30000, "float16", None),          # long-row backward in clusters (sm_90)
     ("layernorm", 20, 131072, "bfloat16", None),     # backward in 16-block clusters, staged;
                                                      # forward clusters of whole chunks

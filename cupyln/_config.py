@@ -234,6 +234,11 @@ class BwdConfig:
     # 1024x131072 bf16 306-310 against 427 us (row sums, then tiles), 1x131072 8.7 / 12.8,
     # 512x65536 f32 131 / 197, fused 1024x131072 bf16 312 / 488.
     cluster_tiles_long: int = 16
+    # At most this many rows that `cluster_tiles` tiles hold take `cluster_tiles_long` tiles of
+    # half the threads, the same bytes in flight on twice the SMs (H100, against 8 tiles: LN
+    # 1x65536 bf16 7.63 against 8.29 us, RMS 7.46 / 7.87, 2x65536 12.21 / 13.25, 4x50000 13.38
+    # / 14.18; 8 rows lost, 16.80 / 16.11). 0: off.
+    cluster_split_rows: int = 4
     # Rows longer than those tiles hold, at least `resident_rows` per cluster that fits at
     # once, in as many column tiles of up to 1024 threads of `resident_npt` vectors that keep x
     # and dy in shared memory (the next row copied ahead): read once, not twice as by row sums

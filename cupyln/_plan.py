@@ -665,17 +665,20 @@ def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 
-def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, N, vec, residual):
+def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
     """Rows longer than one block: (spec, kernels, block, tiles, cluster) of a cluster of
-    column tiles (the fewest of ``cluster_sizes``) where the row fits in them and the driver
-    can place one, else of ``tile_tpr``-thread tiles after the row sums kernel."""
+    column tiles where the row fits in them and the driver can place one (the fewest of
+    ``cluster_sizes``; for at most ``cluster_split_rows`` rows, the most), else of
+    ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
     most = bwd_threads(cfg.cluster_npt)
     sizes = cluster_sizes(cfg) if info.clusters and cfg.cluster else ()
-    tiles = next((t for t in sizes if cdiv(N // vec, t * cfg.cluster_npt) <= most), 0)
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles,
-                residual=residual)
-    if tiles and "bwd_cluster" in spec.names("bwd_long"):  # the widths Spec builds them for
+    fits = [t for t in sizes if cdiv(N // vec, t * cfg.cluster_npt) <= most]
+    for tiles in fits[::-1] if M <= cfg.cluster_split_rows else fits[:1]:
+        spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles,
+                    residual=residual)
+        if "bwd_cluster" not in spec.names("bwd_long"):  # the widths Spec builds them for
+            continue
         tpr = round_up(cdiv(N // vec, tiles * cfg.cluster_npt), info.warp)
         kerns = _compile.kernels(spec, "bwd_long", config.source)
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, tiles), (tpr, 1), 0) > 0:
@@ -805,7 +808,7 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
         colsum = colsum_bytes(g, g.rpb, vec, dtype)
     else:
         spec, kerns, block, tiles, cluster = _bwd_long_kernels(config, info, dtype, wdtype,
-                                                               is_ln, N, vec, residual)
+                                                               is_ln, M, N, vec, residual)
         colsum = 0
     grid_of = functools.partial(_resident_grid, info, M, block, tiles, cluster)
     main = "bwd_cluster" if cluster else "bwd"

@@ -819,12 +819,16 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
 @example("float32", 1, 65536, 32, True, True)  # 16 tiles, fused
 @example("bfloat16", 64, 131080, 32, True, False)  # past 16 tiles: row sums, then tiles
 @example("float16", 3, 70001, 32, True, False)  # single elements past 8 tiles: not built
+@example("bfloat16", 1, 65536, 32, True, False)  # few rows 8 tiles hold: 16 tiles
+@example("bfloat16", 5, 65536, 32, True, False)  # more: 8 tiles
+@example("float16", 2, 65535, 32, True, False)  # single elements: 8 tiles, whatever M
 def test_backward_long_rows_in_the_fewest_cluster_tiles_that_hold_them(dt, M, N, warp,
                                                                        clusters, residual):
     """Where clusters exist, a backward row longer than one block runs in a cluster of column
     tiles of ``cluster_npt`` vectors per thread: ``cluster_tiles`` (8) where they hold the row,
-    else ``cluster_tiles_long`` (16, past the portable size: 16-byte vectors only), plain or
-    fused; no other row does (longer ones: row sums, then tiles)."""
+    else ``cluster_tiles_long`` (16, past the portable size: 16-byte vectors only), also for
+    at most ``cluster_split_rows`` rows that 8 hold, plain or fused; no other row does (longer
+    ones: row sums, then tiles)."""
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters, residual=residual)
     s = plan.spec
     wide, most = s.vec * s.dtype.itemsize == 16, _plan.bwd_threads(BWD.cluster_npt)
@@ -835,7 +839,8 @@ def test_backward_long_rows_in_the_fewest_cluster_tiles_that_hold_them(dt, M, N,
     cluster = plan.variant.startswith("bwd_cluster")
     assert cluster == bool(clusters and longer and built_for), (plan.variant, s)
     if cluster:
-        assert plan.grid[1] == s.tiles == fits[0] and "rowsums" not in plan.launch
+        want = fits[-1] if wide and M <= BWD.cluster_split_rows else fits[0]
+        assert plan.grid[1] == s.tiles == want and "rowsums" not in plan.launch
         assert plan.block[0] % warp == 0 and plan.block[0] <= most
         assert plan.block[0] * s.tiles * s.npt * s.vec >= N
     assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
