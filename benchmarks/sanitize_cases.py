@@ -73,7 +73,8 @@ CASES = [  # (op, M, N, dtype, param dtype)
 VARIANTS = [(False, False, "always", True, False), (True, False, "always", True, False),
             (False, True, "always", True, False), (False, False, "never", True, False),
             (False, False, "never", False, False),
-            (False, False, "always", True, True), (True, True, "never", False, True)]
+            (False, False, "always", True, True), (False, False, "never", True, True),
+            (True, True, "never", False, True)]
 ONLY = re.compile(os.environ.get("CUPYLN_SANITIZE_K", ""))
 FIELDS = json.loads(os.environ.get("CUPYLN_SANITIZE_CONFIG", "{}"))
 bad = 0

@@ -88,7 +88,8 @@ class Spec(NamedTuple):
         if self.peeled:
             return self._bwd_peeled_names(pass_)
         if pass_ == "bwd" and self.tiles > 1:  # a grid of one cluster of `tiles` blocks, alone
-            return {"bwd_csum": f"norm_bwd_csum<{self._args()}, {self.tiles}>"}
+            add = ", cln::dresidual" if self.residual else ""
+            return {"bwd_csum": f"norm_bwd_csum<{self._args()}, {self.tiles}{add}>"}
         if pass_ == "bwd_long":
             return self._bwd_tile_names()
         return self._bwd_row_names()

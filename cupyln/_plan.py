@@ -195,7 +195,7 @@ def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
             if not clusters and tiles > 1 and pass_ == "bwd":
                 continue  # one cluster alone: clusters only
             yield s._replace(npt=n, tiles=tiles), pass_
-            if add and not (tiles > 1 and pass_ == "bwd"):  # no csum for the add
+            if add:
                 yield s._replace(npt=n, tiles=tiles, residual=True), pass_
 
 
@@ -781,7 +781,7 @@ def _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
     if peeled is not None:
         return peeled
     g = bwd_geometry(cfg, N // vec, info.warp)
-    csum = None if residual else _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g)
+    csum = _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual)
     if csum is not None:
         return csum
     fused = g.fits and cdiv(M, g.rpb) <= cfg.fused_reduce_blocks and N <= g.tpr * g.rpb
@@ -948,9 +948,10 @@ def grid_sums_bytes(plan):
     return 16 + groups * (2 * lag + 2) * columns * 2 * rows * 8
 
 
-def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):
-    """The plan of one cluster of ``csum_blocks`` blocks holding every row at once, or None
-    where the device has no clusters, the rows do not fit, or the driver cannot place it."""
+def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual):
+    """The plan of one cluster of ``csum_blocks`` blocks holding every row at once (the fused
+    add's too), or None where the device has no clusters, the rows do not fit, or the driver
+    cannot place it."""
     cfg = config.bwd
     unit = warp_rows(g, info.warp)
     most = bwd_threads(g.npt) // g.tpr // unit * unit  # rows that one block can hold
@@ -959,7 +960,8 @@ def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g):
     if not (g.fits and info.clusters and cfg.cluster_sums and cfg.stage != "always"
             and M <= cfg.csum_blocks * rpb):
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, cfg.csum_blocks)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, cfg.csum_blocks,
+                residual=residual)
     kern = _compile.kernels(spec, "bwd", config.source)["bwd_csum"]
     # the values each block receives ([blocks][2N / blocks]), then its rows' column sums
     smem = cfg.csum_blocks * cdiv(2 * N, cfg.csum_blocks) * ACC_DTYPES[dtype].itemsize

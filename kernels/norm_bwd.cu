@@ -544,11 +544,11 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_add_cluster(CLN_BWD_PARAMS) {
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
-// where the rows fit in its blocks at once: bwd.cluster_sums).
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC>
+// where the rows fit in its blocks at once: bwd.cluster_sums); ADD: the fused add's too.
+template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC, bool ADD = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, false, 1, false, XC>(CLN_BWD_ARGS);
+  bwd_rows<T, W, LN, VEC, NPT, WARP, false, 1, false, XC, false, ADD>(CLN_BWD_ARGS);
 }
 
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in

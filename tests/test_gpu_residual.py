@@ -232,6 +232,8 @@ def test_dresidual_in_every_backward_variant(plans, variant):
         run_fused(op, M, N, dt, wdt, config=plans.config)
     if variant in LONG_BWD and info.clusters and info.async_copy:
         assert [long_plan(info, p) for p in plans] == list(LONG_BWD[variant])
+    if variant == "one cluster of all rows":
+        assert all((p.variant == "bwd_csum") == info.clusters for p in plans)
 
 
 def test_deterministic_fused_backward_is_bitwise_repeatable():
