@@ -186,7 +186,8 @@ class BwdConfig:
     # block: one launch instead of two (host time; the GPU time is the same).
     fused_reduce_blocks: int = 8
     # On sm_90, rows that fit in one cluster of `csum_blocks` blocks sum dgamma/dbeta through
-    # distributed shared memory, without scratch (32x512 f16: 6.5 against 8.6 us).
+    # distributed shared memory, without scratch (32x512 f16: 6.5 against 8.6 us; the fused
+    # add's, H200: 6.62 / 8.80, RMS 16x1024 bf16 6.46 / 8.10, LN 8x8192 f16 10.08 / 11.73).
     csum_blocks: int = 8
     cluster_sums: bool = True
     # Staged rows (cp.async) where blocks loop over rows that span warps (131072x4096 bf16: 885
@@ -235,9 +236,9 @@ class BwdConfig:
     # 512x65536 f32 131 / 197, fused 1024x131072 bf16 312 / 488.
     cluster_tiles_long: int = 16
     # At most this many rows that `cluster_tiles` tiles hold take `cluster_tiles_long` tiles of
-    # half the threads, the same bytes in flight on twice the SMs (H100, against 8 tiles: LN
-    # 1x65536 bf16 7.63 against 8.29 us, RMS 7.46 / 7.87, 2x65536 12.21 / 13.25, 4x50000 13.38
-    # / 14.18; 8 rows lost, 16.80 / 16.11). 0: off.
+    # half the threads, the same bytes in flight on twice the SMs (H200, against 8 tiles: LN
+    # 1x65536 bf16 7.46 against 8.02 us, RMS 7.31 / 7.74, 2x65536 12.16 / 13.07, 4x50000 12.85
+    # / 14.11, fused RMS 4x65536 11.47 / 12.66; H100: 8 rows lost, 16.80 / 16.11). 0: off.
     cluster_split_rows: int = 4
     # Rows longer than those tiles hold, at least `resident_rows` per cluster that fits at
     # once, in as many column tiles of up to 1024 threads of `resident_npt` vectors that keep x
