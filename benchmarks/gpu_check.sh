@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench train (default
 #   all but train, the PyTorch training example with its loss curves;
 #   TESTS_K="expr" runs only the GPU tests pytest -k selects; TEST_WORKERS=N the processes
-#   that run them, default 8; CUPYLN_SANITIZE_K="regex" only the sanitizer cases it finds),
+#   that run them, default 8; CUPYLN_SANITIZE_K="regex" only the sanitizer cases it finds,
+#   SANITIZE_TOOLS="racecheck" only that tool),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
@@ -66,7 +67,7 @@ for s in $stages; do
       run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
       run example python3 examples/data_parallel.py ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
         run "san_$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_cases.py
       done ;;
     hostprof) run hostprof python3 benchmarks/hostprof.py ${HOSTPROF_OLD:-} ;;
