@@ -83,9 +83,8 @@ def main(path, old=None, verbose=False):
               bandwidth(copy, rows, ("layernorm", "rmsnorm"), "bwd", 0.82))]
     for p in ("fwd", "bwd"):
         lines.append((f"#41 64x1048576 bf16 {p} >= 70% of copy",
-                      [c for op in ("layernorm", "rmsnorm") for c in bandwidth(
-                          copy, {k: v for k, v in rows.items() if k[1:3] == (64, 1048576)},
-                          (op,), p, 0.70, large=False)]))
+                      bandwidth(copy, {k: v for k, v in rows.items() if k[1:3] == (64, 1048576)},
+                                ("layernorm", "rmsnorm"), p, 0.70, large=False)))
     for p, limit in (("fwd", 15.0), ("bwd", 20.0)):
         lines.append((f"#41 1x1048576 bf16 {p} <= {limit:g} us",
                       shape_us(rows, "layernorm", 1, 1048576, "bfloat16", p, limit)))
@@ -105,8 +104,8 @@ def main(path, old=None, verbose=False):
         lines.append((f"#43 fused {p}: the plain pass's fraction of copy", frac[p]))
         lines.append((f"#43 fused {p} >= {1.2 if p == 'fwd' else 1.4}x add + norm", speed[p]))
     lines.append(("#43 fused RMSNorm no slower than Liger's",
-                  [c for c in peers({k: v for k, v in rows.items() if k[0] == "rmsnorm_add"
-                                     and k[5] != "torch"})]))
+                  peers({k: v for k, v in rows.items()
+                         if k[0] == "rmsnorm_add" and k[5] != "torch"})))
     width = max(len(t) for t, _ in lines)
     for title, cases in lines:
         missed = sum(m < 0 for m, _ in cases)
