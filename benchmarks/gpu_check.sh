@@ -6,7 +6,7 @@
 #   all but train, the PyTorch training example with its loss curves;
 #   TESTS_K="expr" runs only the GPU tests pytest -k selects; TEST_WORKERS=N the processes
 #   that run them, default 8; CUPYLN_SANITIZE_K="regex" only the sanitizer cases it finds,
-#   SANITIZE_TOOLS="racecheck" only that tool),
+#   SANITIZE_TOOLS="racecheck" only that tool, SANITIZE_JOBS=N the cases over N processes),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
@@ -66,9 +66,20 @@ for s in $stages; do
     multi) export NCCL_NVLS_ENABLE=0
       run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
       run example python3 examples/data_parallel.py ;;
-    sanitize)
+    sanitize)  # SANITIZE_JOBS=N: the cases split over N processes (racecheck is slow)
+      jobs=${SANITIZE_JOBS:-1}
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-        run "san_$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_cases.py
+        for ((i = 0; i < jobs; i++)); do
+          name=san_$tool$([ "$jobs" = 1 ] || echo "_$i")
+          (CUPYLN_SANITIZE_SHARD=$i/$jobs run "$name" compute-sanitizer --tool "$tool" \
+             --error-exitcode 9 python3 benchmarks/sanitize_cases.py
+           printf '%s\n' "${summary[-1]}" >"$OUT/$name.sum") &
+        done
+        wait
+        for ((i = 0; i < jobs; i++)); do
+          name=san_$tool$([ "$jobs" = 1 ] || echo "_$i")
+          summary+=("$(cat "$OUT/$name.sum")"); rm -f "$OUT/$name.sum"
+        done
       done ;;
     hostprof) run hostprof python3 benchmarks/hostprof.py ${HOSTPROF_OLD:-} ;;
     tune) run tune python3 benchmarks/tune.py ;;

@@ -8,7 +8,8 @@ and few rows (one cluster that sums dgamma/dbeta, or the last block summing the 
 LayerNorm and RMSNorm; and the fused residual add (with dresidual and a weight offset) over the
 same shapes, staged backward rows or none. Exits non-zero when an output misses the reference
 tolerance. CUPYLN_SANITIZE_K (a regular expression) runs only the cases whose "op MxN dtype"
-it finds; CUPYLN_SANITIZE_CONFIG (JSON: {"fwd": FwdConfig fields, "bwd": BwdConfig fields})
+it finds (CUPYLN_SANITIZE_SHARD="i/n": every n-th of those, from the i-th);
+CUPYLN_SANITIZE_CONFIG (JSON: {"fwd": FwdConfig fields, "bwd": BwdConfig fields})
 changes every variant's config, to check variants switched off by default.
 """
 
@@ -76,11 +77,12 @@ VARIANTS = [(False, False, "always", True, False), (True, False, "always", True,
             (False, False, "always", True, True), (False, False, "never", True, True),
             (True, True, "never", False, True)]
 ONLY = re.compile(os.environ.get("CUPYLN_SANITIZE_K", ""))
+# "i/n": the i-th of n shares of the cases found, for n processes side by side
+SHARD, SHARDS = map(int, os.environ.get("CUPYLN_SANITIZE_SHARD", "0/1").split("/"))
 FIELDS = json.loads(os.environ.get("CUPYLN_SANITIZE_CONFIG", "{}"))
 bad = 0
-for op, M, N, dt, wdt in CASES:
-    if not ONLY.search(f"{op} {M}x{N} {dt}"):
-        continue
+found = [case for case in CASES if ONLY.search("{} {}x{} {}".format(*case))]
+for op, M, N, dt, wdt in found[SHARD::SHARDS]:
     for det, atomic, stage, csum, fused in VARIANTS:
         # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
         # cluster (direct rows), or the last block summing; few long rows in parts over the grid

@@ -77,10 +77,16 @@ def _stream(device):
     """torch's current stream of ``device`` as a CuPy stream (one object per stream)."""
     import cupy
 
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    s = _STREAMS.get((device.index, ptr))
+    current = torch.cuda.current_stream(device)
+    key = (device.index, current.cuda_stream)
+    s = _STREAMS.get(key)
     if s is None:
-        s = _STREAMS[device.index, ptr] = cupy.cuda.ExternalStream(ptr, device.index)
+        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(current, "__cuda_stream__"):
+            with cupy.cuda.Device(device.index):  # from_external takes the current device
+                s = cupy.cuda.Stream.from_external(current)
+        else:  # CuPy before 14 (ExternalStream is deprecated from 14 on)
+            s = cupy.cuda.ExternalStream(current.cuda_stream, device.index)
+        _STREAMS[key] = s
     return s
 
 

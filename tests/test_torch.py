@@ -3,6 +3,7 @@ modules and state_dict, determinism; on the CPU (the NumPy path) and, marked `gp
 (DLPack, streams, CUDA graphs, autocast, a short training run)."""
 
 import threading
+import warnings
 
 import pytest
 
@@ -212,6 +213,22 @@ def test_non_contiguous_and_non_default_stream():
             for a, r in zip(got, want, strict=True):
                 assert rel_err(a, r) <= TOL[a.dtype]
     s.synchronize()
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cupy_stream_is_torchs_current_stream_without_deprecation():
+    """The CuPy stream the slow path launches on wraps torch's current stream, made without
+    CuPy's deprecated ExternalStream."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        on_s = ct._stream(dev)
+    assert (on_s.ptr, on_s.device_id) == (s.cuda_stream, dev.index)
+    assert ct._stream(dev).ptr == torch.cuda.current_stream(dev).cuda_stream
+    with torch.cuda.stream(s):
+        assert ct._stream(dev) is on_s
 
 
 @gpu
