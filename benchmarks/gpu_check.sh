@@ -6,7 +6,8 @@
 #   all but train, the PyTorch training example with its loss curves;
 #   TESTS_K="expr" runs only the GPU tests pytest -k selects; TEST_WORKERS=N the processes
 #   that run them, default 8; CUPYLN_SANITIZE_K="regex" only the sanitizer cases it finds,
-#   SANITIZE_TOOLS="racecheck" only that tool, SANITIZE_JOBS=N the cases over N processes),
+#   CUPYLN_SANITIZE_VARIANTS="4,5" only those variants, SANITIZE_TOOLS="racecheck" only that
+#   tool, SANITIZE_JOBS=N the (case, variant) pairs over N processes),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
 #   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
 #   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
@@ -66,7 +67,7 @@ for s in $stages; do
     multi) export NCCL_NVLS_ENABLE=0
       run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
       run example python3 examples/data_parallel.py ;;
-    sanitize)  # SANITIZE_JOBS=N: the cases split over N processes (racecheck is slow)
+    sanitize)  # SANITIZE_JOBS=N: the pairs split over N processes (racecheck is slow)
       jobs=${SANITIZE_JOBS:-1}
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
         for ((i = 0; i < jobs; i++)); do

@@ -8,7 +8,8 @@ and few rows (one cluster that sums dgamma/dbeta, or the last block summing the 
 LayerNorm and RMSNorm; and the fused residual add (with dresidual and a weight offset) over the
 same shapes, staged backward rows or none. Exits non-zero when an output misses the reference
 tolerance. CUPYLN_SANITIZE_K (a regular expression) runs only the cases whose "op MxN dtype"
-it finds (CUPYLN_SANITIZE_SHARD="i/n": every n-th of those, from the i-th);
+it finds, CUPYLN_SANITIZE_VARIANTS ("4,5": indices into VARIANTS) only those variants, and
+CUPYLN_SANITIZE_SHARD ("i/n") every n-th (case, variant) pair of those, from the i-th;
 CUPYLN_SANITIZE_CONFIG (JSON: {"fwd": FwdConfig fields, "bwd": BwdConfig fields})
 changes every variant's config, to check variants switched off by default.
 """
@@ -77,36 +78,38 @@ VARIANTS = [(False, False, "always", True, False), (True, False, "always", True,
             (False, False, "always", True, True), (False, False, "never", True, True),
             (True, True, "never", False, True)]
 ONLY = re.compile(os.environ.get("CUPYLN_SANITIZE_K", ""))
-# "i/n": the i-th of n shares of the cases found, for n processes side by side
+PICK = [int(i) for i in os.environ.get("CUPYLN_SANITIZE_VARIANTS", "").split(",") if i]
+# "i/n": the i-th of n shares of the (case, variant) pairs, for n processes side by side
 SHARD, SHARDS = map(int, os.environ.get("CUPYLN_SANITIZE_SHARD", "0/1").split("/"))
 FIELDS = json.loads(os.environ.get("CUPYLN_SANITIZE_CONFIG", "{}"))
 bad = 0
 found = [case for case in CASES if ONLY.search("{} {}x{} {}".format(*case))]
-for op, M, N, dt, wdt in found[SHARD::SHARDS]:
-    for det, atomic, stage, csum, fused in VARIANTS:
-        # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
-        # cluster (direct rows), or the last block summing; few long rows in parts over the grid
-        # (forward, the fused add's too; backward row sums), or without csum not
-        parts = 2.0 if csum else 0
-        # rows held in a cluster's shared memory for any M, without csum in short rings, and
-        # peeled rows past one block of 4 vectors per thread not in parts: 8 vectors or chunks
-        resident = {} if csum else dict(resident_rows=0, resident_slots=9, peel_parts_rows=0)
-        config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, parts_rows_add=parts,
-                                      cluster_long_min_rows=0,
-                                      **{**resident, **FIELDS.get("fwd", {})}),
-                        bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
-                                      parts_rows=parts,  # (the backward's default is 0.5)
-                                      # peeled rows: few too
-                                      peel_rows=8 if csum else 0,
-                                      peel_tile_rows=4 if csum else 0,
-                                      **FIELDS.get("bwd", {})))
-        rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
-                            fused=fused)
-        cp.cuda.Device().synchronize()
-        worst = max(rows, key=lambda r: r[1] / r[2])
-        ok = all(err <= tol for _, err, tol in rows)
-        bad += not ok
-        print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} {stage:<6} "
-              f"csum={csum!s:<5} fused={fused!s:<5} "
-              f"worst {worst[0]}={worst[1]:.2e} {'ok' if ok else 'FAIL'}")
+variants = [VARIANTS[i] for i in PICK] if PICK else VARIANTS
+pairs = [(case, variant) for case in found for variant in variants][SHARD::SHARDS]
+for (op, M, N, dt, wdt), (det, atomic, stage, csum, fused) in pairs:
+    # both dgamma/dbeta flushes; staged rows wherever possible, or nowhere; few rows in one
+    # cluster (direct rows), or the last block summing; few long rows in parts over the grid
+    # (forward, the fused add's too; backward row sums), or without csum not
+    parts = 2.0 if csum else 0
+    # rows held in a cluster's shared memory for any M, without csum in short rings, and
+    # peeled rows past one block of 4 vectors per thread not in parts: 8 vectors or chunks
+    resident = {} if csum else dict(resident_rows=0, resident_slots=9, peel_parts_rows=0)
+    config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, parts_rows_add=parts,
+                                  cluster_long_min_rows=0,
+                                  **{**resident, **FIELDS.get("fwd", {})}),
+                    bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
+                                  parts_rows=parts,  # (the backward's default is 0.5)
+                                  # peeled rows: few too
+                                  peel_rows=8 if csum else 0,
+                                  peel_tile_rows=4 if csum else 0,
+                                  **FIELDS.get("bwd", {})))
+    rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
+                        fused=fused)
+    cp.cuda.Device().synchronize()
+    worst = max(rows, key=lambda r: r[1] / r[2])
+    ok = all(err <= tol for _, err, tol in rows)
+    bad += not ok
+    print(f"{op:<10} {M:>5}x{N:<6} {dt:<9} det={det!s:<5} atomic={atomic!s:<5} {stage:<6} "
+          f"csum={csum!s:<5} fused={fused!s:<5} "
+          f"worst {worst[0]}={worst[1]:.2e} {'ok' if ok else 'FAIL'}")
 sys.exit(1 if bad else 0)
