@@ -73,6 +73,16 @@ def _cuda_array(t, dtype):
 _STREAMS = {}
 
 
+class _Protocol:
+    """The CUDA stream protocol over a torch stream of a torch that lacks it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return 0, self.stream.cuda_stream
+
+
 def _stream(device):
     """torch's current stream of ``device`` as a CuPy stream (one object per stream)."""
     import cupy
@@ -81,9 +91,10 @@ def _stream(device):
     key = (device.index, current.cuda_stream)
     s = _STREAMS.get(key)
     if s is None:
-        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(current, "__cuda_stream__"):
+        if hasattr(cupy.cuda.Stream, "from_external"):
             with cupy.cuda.Device(device.index):  # from_external takes the current device
-                s = cupy.cuda.Stream.from_external(current)
+                s = cupy.cuda.Stream.from_external(
+                    current if hasattr(current, "__cuda_stream__") else _Protocol(current))
         else:  # CuPy before 14 (ExternalStream is deprecated from 14 on)
             s = cupy.cuda.ExternalStream(current.cuda_stream, device.index)
         _STREAMS[key] = s
