@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from strategies import shapes, values
 
 from cupyln import reference as ref
+from cupyln._check import dweight_floors, max_err
 
 LN_RMS = st.sampled_from(["ln", "rms"])
 
@@ -220,3 +221,20 @@ def test_multi_axis_normalized_shape_equals_flattened():
     np.testing.assert_allclose(y.reshape(12, 30), y2)
     np.testing.assert_allclose(mean.reshape(-1), mean2)
     np.testing.assert_allclose(rstd.reshape(-1), rstd2)
+
+
+def test_dweight_floor_measures_a_cancelling_column_sum_by_its_terms():
+    """One column of 177 rows whose dgamma cancels to 1e-5 from terms of 0.1: float32's
+    rounding is far above 1e-4 of the sum but not of the floor, and a row left out is not."""
+    rng = np.random.default_rng(0)
+    h = 1.0 + 0.5 * rng.standard_normal((177, 1))
+    dy = 0.1 * rng.standard_normal((177, 1))
+    rstd = 1 / np.sqrt(h[:, 0] ** 2 + 1e-6)
+    dy[-1] -= ((dy[:, 0] * h[:, 0] * rstd).sum() - 1e-5) / (h[-1, 0] * rstd[-1])
+    terms = dy[:, 0] * h[:, 0] * rstd
+    _, want = ref.rms_norm_bwd(dy, h, np.ones(1), rstd)
+    summed = np.cumsum(terms.astype(np.float32))[-1:]  # a float32 running sum
+    floor = dweight_floors(dy, h, None, rstd)[0]
+    assert max_err(summed, want) > 1e-4
+    assert max_err(summed, want, floor) <= 1e-4
+    assert max_err(want - np.median(np.abs(terms)), want, floor) > 1e-4
