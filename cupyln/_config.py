@@ -8,7 +8,7 @@ themselves live in ``benchmarks/NOTES.md`` (all on one H200, ``benchmarks/tune.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 STAGE_MODES = ("auto", "always", "never")
 
@@ -20,10 +20,15 @@ CLUSTER = (0, 16, 1)  # blocks of a cluster: 0 or 1 for none, up to the hardware
 
 
 def _check_fields(config, **ranges):
-    """ValueError, before any plan, for a ``stage`` not listed or a field outside its range
-    (``field=(lowest, highest or None, step)``): values the kernels cannot launch."""
+    """ValueError, before any plan, for a ``stage`` not listed, a field outside its range
+    (``field=(lowest, highest or None, step)``): values the kernels cannot launch, or any other
+    count or share below 0 (0 turns a variant off; below it nothing is meant)."""
     if config.stage not in STAGE_MODES:
         raise ValueError(f"stage must be one of {STAGE_MODES}, got {config.stage!r}")
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if f.name not in ranges and f.type in ("int", "float") and not v >= 0:
+            raise ValueError(f"{type(config).__name__}.{f.name} must be at least 0, got {v}")
     for f, (lo, hi, step) in ranges.items():
         v = getattr(config, f)
         if v < lo or (hi is not None and v > hi) or v % step:

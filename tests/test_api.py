@@ -279,12 +279,15 @@ def test_docstring_examples_run():
     (lambda: cupyln.FwdConfig(cluster_tiles=32), "cluster_tiles", "from 0 to 16, got 32"),
     (lambda: cupyln.BwdConfig(npt_min=2, npt=1), "npt", "at least 2, got 1"),
     (lambda: cupyln.BwdConfig(tile_tpr=96), "tile_tpr", "a multiple of 64, got 96"),
-    (lambda: cupyln.BwdConfig(csum_blocks=17), "csum_blocks", "from 0 to 16, got 17")])
+    (lambda: cupyln.BwdConfig(csum_blocks=17), "csum_blocks", "from 0 to 16, got 17"),
+    (lambda: cupyln.BwdConfig(cluster_split_rows=-1), "cluster_split_rows", "at least 0, got -1"),
+    (lambda: cupyln.FwdConfig(parts_rows=float("nan")), "parts_rows", "at least 0, got nan")])
 def test_configs_the_kernels_cannot_launch_are_refused_when_made(make, field, msg):
     """A config field outside what the kernels launch (block threads, counts, cluster sizes)
     raises a ValueError naming the field when the config is made, before any plan; the
     defaults and the fields' edges are accepted."""
     with pytest.raises(ValueError, match=rf"Config\.{field} must be .*{msg}"):
         make()
-    cupyln.Config(fwd=cupyln.FwdConfig(tpr_max=64, block=1, cluster_tiles=16),
-                  bwd=cupyln.BwdConfig(tile_tpr=1024, npt_min=2, npt=2, csum_blocks=0))
+    cupyln.Config(fwd=cupyln.FwdConfig(tpr_max=64, block=1, cluster_tiles=16, parts_rows=0),
+                  bwd=cupyln.BwdConfig(tile_tpr=1024, npt_min=2, npt=2, csum_blocks=0,
+                                       cluster_split_rows=0))
