@@ -225,7 +225,8 @@ def test_multi_axis_normalized_shape_equals_flattened():
 
 def test_dweight_floor_measures_a_cancelling_column_sum_by_its_terms():
     """One column of 177 rows whose dgamma cancels to 1e-5 from terms of 0.1: float32's
-    rounding is far above 1e-4 of the sum but not of the floor, and a row left out is not."""
+    rounding is far above 1e-4 of the sum but within 1e-4 of the floor; a row left out is
+    not."""
     rng = np.random.default_rng(0)
     h = 1.0 + 0.5 * rng.standard_normal((177, 1))
     dy = 0.1 * rng.standard_normal((177, 1))
