@@ -283,10 +283,6 @@ class BwdConfig:
     grid_add_sums: int = 16384
 
     def __post_init__(self):
-        _check_fields(self, tpr_max=THREADS, tile_tpr=THREADS, rowsums_tpr=THREADS,
-                      grid_tpr=THREADS, block=BLOCK, npt_min=COUNT, npt=(self.npt_min, None, 1),
-                      tile_npt=COUNT, cluster_npt=COUNT, grid_npt=COUNT, cluster_tiles=CLUSTER,
-                      cluster_tiles_long=CLUSTER, csum_blocks=CLUSTER)
         steps = self.grid_buffers // max(self.grid_step_rows, 1)
         if self.grid_step_rows < 1 or self.grid_buffers % self.grid_step_rows or \
                 not 0 <= self.grid_lag < steps:
@@ -294,6 +290,10 @@ class BwdConfig:
                 "grid_buffers must hold whole steps of grid_step_rows rows, more steps than "
                 f"grid_lag: got grid_buffers={self.grid_buffers}, grid_step_rows="
                 f"{self.grid_step_rows}, grid_lag={self.grid_lag}")
+        _check_fields(self, tpr_max=THREADS, tile_tpr=THREADS, rowsums_tpr=THREADS,
+                      grid_tpr=THREADS, block=BLOCK, npt_min=COUNT, npt=(self.npt_min, None, 1),
+                      tile_npt=COUNT, cluster_npt=COUNT, grid_npt=COUNT, cluster_tiles=CLUSTER,
+                      cluster_tiles_long=CLUSTER, csum_blocks=CLUSTER)
 
 
 @dataclass(frozen=True)
