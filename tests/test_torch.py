@@ -215,6 +215,12 @@ def test_non_contiguous_and_non_default_stream():
     s.synchronize()
 
 
+def test_stream_protocol_over_a_torch_stream_that_lacks_it():
+    """What CuPy's Stream.from_external reads: version 0 and the stream's handle."""
+    stream = type("OldTorchStream", (), {"cuda_stream": 0x5EED})()
+    assert ct._Protocol(stream).__cuda_stream__() == (0, 0x5EED)
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cupy_stream_is_torchs_current_stream_without_deprecation():
