@@ -60,9 +60,10 @@ for s in $stages; do
              tests/test_notebooks.py ;;
     train) run train python3 examples/train_torch.py --json "$OUT/train.json" \
              --plot "$OUT/train.png" ;;
-    fuzz) CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
-            run fuzz python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_gpu_*.py \
-            -k fuzz ;;
+    fuzz) # -v: each property's result is in the log as it ends, even if the stage times out
+      CUPYLN_HYPOTHESIS_PROFILE=fuzz CUPYLN_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
+        run fuzz python3 -m pytest -v -p no:cacheprovider "${workers[@]}" tests/test_gpu_*.py \
+        -k fuzz ;;
     big) run big python3 -m pytest -m slow -q -p no:cacheprovider tests/test_gpu_*.py ;;
     multi) export NCCL_NVLS_ENABLE=0
       run multi python3 -m pytest -m multi_gpu -q -p no:cacheprovider tests/test_multi_gpu.py
