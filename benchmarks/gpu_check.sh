@@ -71,15 +71,15 @@ for s in $stages; do
     sanitize)  # SANITIZE_JOBS=N: the pairs split over N processes (racecheck is slow)
       jobs=${SANITIZE_JOBS:-1}
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+        names=()
         for ((i = 0; i < jobs; i++)); do
-          name=san_$tool$([ "$jobs" = 1 ] || echo "_$i")
+          name=san_$tool$([ "$jobs" = 1 ] || echo "_$i"); names+=("$name")
           (CUPYLN_SANITIZE_SHARD=$i/$jobs run "$name" compute-sanitizer --tool "$tool" \
              --error-exitcode 9 python3 benchmarks/sanitize_cases.py
            printf '%s\n' "${summary[-1]}" >"$OUT/$name.sum") &
         done
         wait
-        for ((i = 0; i < jobs; i++)); do
-          name=san_$tool$([ "$jobs" = 1 ] || echo "_$i")
+        for name in "${names[@]}"; do
           summary+=("$(cat "$OUT/$name.sum")"); rm -f "$OUT/$name.sum"
         done
       done ;;

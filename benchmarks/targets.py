@@ -15,7 +15,8 @@ SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 def load(path):
     """(copy GB/s, {(op, M, N, dtype, pass, provider): row}) of a record's device-time rows."""
-    rec = json.load(open(path))
+    with open(path) as f:
+        rec = json.load(f)
     rows = {(r["op"], r["M"], r["N"], r["dtype"], r["pass"], r["provider"]): r
             for r in rec["rows"] if r["GBs"] is not None and r["us"] is not None}
     return rec["copy_GBs"], rows
