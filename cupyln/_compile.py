@@ -146,7 +146,9 @@ class Spec(NamedTuple):
         kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
         a = f"{kern}<{t}, {w}, {h}{op}, {self.vec}, {self.npt}, {self.warp}, {self.tiles}"
         names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
-        if self.stages and not h:  # resident clusters, the next row copied ahead
+        # resident clusters, the next row copied ahead; rows of one vector per thread (few
+        # rows, each cluster alone) never are
+        if self.stages and not h and self.npt > 1:
             names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
         if self.is_ln and not h:  # rows of whole chunks: no column tests
             for k in list(names):

@@ -100,6 +100,11 @@ class FwdConfig:
     # rows (LN 8x524288 22.0 / 17.4: 7 clusters of 16 fit, a second round for one row).
     cluster_tiles_long: int = 16
     cluster_long_min_rows: int = 12
+    # At most this many rows that `cluster_tiles` blocks of one vector per thread hold (small_m)
+    # take `cluster_tiles_long` blocks of half the threads, as the backward's: the same bytes in
+    # flight on twice the SMs (H100: RMS 1x65536 bf16 6.72 against 6.91 us, LN 4x50000 7.74 /
+    # 8.00, LN 1x65536 7.86 / 7.94; 8 rows lost, 9.25 / 8.48). 0: off.
+    cluster_split_rows: int = 4
     # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
     # (fused RMSNorm 512x262144 bf16: 391 against 342 us unsplit).

@@ -146,7 +146,8 @@ def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
             for tiles in fwd_cluster_sizes(cfg, s.is_ln, h):
                 yield s._replace(npt=cfg.npt, tiles=tiles, hdtype=h), "fwd"
         if cfg.small_m and cfg.cluster_tiles > 1:  # few rows: one vector per thread
-            yield s._replace(npt=1, tiles=cfg.cluster_tiles), "fwd"
+            for tiles in _few_row_tiles(cfg, 1):
+                yield s._replace(npt=1, tiles=tiles), "fwd"
         if cfg.resident_npt:  # rows in a cluster's shared memory
             for tiles in cluster_sizes(cfg):
                 yield s._replace(npt=cfg.resident_npt, tiles=tiles, resident=True), "fwd"
@@ -538,23 +539,35 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     one chunk of the cluster holds the row: staged where resident clusters loop over rows, else
     one cluster per row (the fused add: direct, and in blocks of ``tpr_max`` threads for few
     rows only); one vector per thread for small M (``small_m``) where every row's cluster runs
-    at once. None where the rules say no or the driver cannot place such a cluster (longer
-    rows: in parts over the grid where few, else a block each)."""
+    at once (``_few_row_tiles``). None where the rules say no or the driver cannot place such a
+    cluster (longer rows: in parts over the grid where few, else a block each)."""
     cfg = config.fwd
     tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, hdtype, vec, g, M, N)
     if not tiles:
         return None
     if hdtype is None and tiles == cfg.cluster_tiles and cfg.small_m and cfg.npt > 1:
         tpr = round_up(cdiv(N // vec, tiles), info.warp)
-        fill = M * tiles * tpr <= cfg.small_m_fill * info.sms * info.threads_per_sm
-        plan = _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 1) \
-            if fill and tpr <= cfg.tpr_max else None
-        if plan is not None and plan.smem == 0:  # staged, one vector lost (32x65536 bf16)
-            return plan
+        if tpr <= cfg.tpr_max and M * tiles * tpr <= cfg.small_m_fill * info.sms \
+                * info.threads_per_sm:
+            for few in _few_row_tiles(cfg, M):
+                plan = _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype,
+                                     few, 1)
+                # every row's cluster at once (in turns, one vector lost: 32x65536 bf16)
+                if plan is not None and M <= _driver.max_active_clusters(
+                        plan.kern, (1, few), plan.block, 0):
+                    return plan
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
     if hdtype is not None and tpr >= cfg.tpr_max and M > info.sms * cfg.cluster_few_rows:
         return None  # nothing overlaps the exchanges: split only where SMs would idle
     return _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, cfg.npt)
+
+
+def _few_row_tiles(cfg: FwdConfig, M):
+    """The cluster sizes, first choice first, of ``M`` forward rows of one vector per thread
+    that ``cluster_tiles`` blocks hold: ``cluster_tiles_long`` too for at most
+    ``cluster_split_rows`` rows."""
+    split = cfg.cluster_tiles_long > cfg.cluster_tiles and M <= cfg.cluster_split_rows
+    return (cfg.cluster_tiles_long, cfg.cluster_tiles) if split else (cfg.cluster_tiles,)
 
 
 def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, npt):
@@ -574,9 +587,10 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
                                                stage)
         if resident and stages(cfg.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
-    if main + "_full" in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0:
-        main += "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
-        _driver.allow_cluster(kerns[main], tiles)  # past the portable size: opted in here
+    full = main + "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
+    if full in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0 \
+            and _driver.max_active_clusters(kerns[full], (1, tiles), block, smem):
+        main = full
     launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 

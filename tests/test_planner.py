@@ -141,13 +141,14 @@ def _fake_resident_blocks(kern, threads, smem):
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
                       hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16,
-                      most_smem=None):
+                      most_smem=None, at_once=1):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
     and backward; ``peel``: rows on which 16-byte vectors do not fit, peelable; ``is_ln``
     False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places,
-    ``most_smem`` (if given) the most shared memory a block may have (else the H200's)."""
+    ``at_once`` of them at a time; ``most_smem`` (if given) the most shared memory a block may
+    have (else the H200's)."""
     from unittest import mock
 
     dtype = _dtype(dt)
@@ -163,9 +164,8 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     with mock.patch.object(_plan, "device_info", lambda dev: info), \
             mock.patch.object(_plan._compile, "kernels", kernels), \
             mock.patch.object(_plan._driver, "max_active_clusters",
-                              lambda k, cl, *a: int(cl[0] * cl[1] <= most_blocks)), \
+                              lambda k, cl, *a: at_once * (cl[0] * cl[1] <= most_blocks)), \
             mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
-            mock.patch.object(_plan._driver, "allow_cluster", lambda kern, blocks: None), \
             mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
         vec = _layout.vec_width(dtype, N, (N,), [])
         peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
@@ -268,9 +268,11 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     if s.tiles == 1:
         return
     tpr = plan.block[0]
-    assert s.tiles == held[0] and plan.block[1] == 1
-    # one vector per thread where the row's cluster runs alone (the mock places one cluster)
-    one = M == 1 and s.tiles == FWD.cluster_tiles and -(-N // vec // s.tiles) <= FWD.tpr_max
+    # one vector per thread where the row's cluster runs alone (the mock places one cluster),
+    # over the larger cluster for few rows
+    one = M == 1 and held[0] == FWD.cluster_tiles and -(-N // vec // held[0]) <= FWD.tpr_max
+    split = one and M <= FWD.cluster_split_rows
+    assert s.tiles == (FWD.cluster_tiles_long if split else held[0]) and plan.block[1] == 1
     assert tpr % warp == 0 and tpr <= FWD.tpr_max and s.npt == (1 if one else FWD.npt)
     cover = s.tiles * tpr * s.npt * vec  # the elements one chunk of the cluster holds
     assert cover - N < s.tiles * warp * s.npt * vec or tpr == FWD.tpr_max  # whole warps, no more
@@ -281,6 +283,33 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     assert plan.grid == ((1 if staged else min(M, 132 * FWD.grid_per_sm)), s.tiles)
     assert plan.smem == (2 * s.npt * tpr * 16 if staged else 0)
     assert set(built.values()) <= _plan.all_kernel_names(warp)
+
+
+@pytest.mark.parametrize("ln", [True, False])
+@pytest.mark.parametrize("dt,M,N,most,tiles,npt", [
+    ("bfloat16", 1, 65536, 16, 16, 1),  # 16 blocks of 512 threads
+    ("bfloat16", 4, 50000, 16, 16, 1),  # not whole chunks; the most rows split
+    ("float32", 2, 32768, 16, 16, 1),
+    ("bfloat16", 5, 65536, 16, 8, 1),  # more rows: 8 blocks of 1024
+    ("bfloat16", 1, 65536, 8, 8, 1),  # the driver places no 16-block cluster
+    ("bfloat16", 1, 131072, 16, 8, 4),  # 8 blocks of one vector per thread do not hold it
+    ("bfloat16", 1, 32768, 16, 1, 4)])  # one block holds it
+def test_few_forward_rows_split_over_the_larger_cluster(ln, dt, M, N, most, tiles, npt):
+    """At most ``cluster_split_rows`` forward rows that ``cluster_tiles`` blocks of one vector
+    per thread hold take ``cluster_tiles_long`` blocks of half the threads, where the driver
+    places such a cluster (LayerNorm and RMSNorm alike; eight clusters at once here, so no row
+    is staged); with the rule off, or for more rows, ``cluster_tiles``."""
+    plan, built = _plan_without_gpu("fwd", dt, M, N, 32, most_blocks=most, is_ln=ln, at_once=8)
+    vec = 16 // _dtype(dt).itemsize
+    threads = -(-(N // vec) // (tiles * npt * 32)) * 32
+    assert (plan.spec.tiles, plan.spec.npt, plan.block, plan.smem) == (tiles, npt, (threads, 1), 0)
+    if tiles > 1:
+        full = ln and N % (tiles * threads * npt * vec) == 0
+        assert plan.variant == "fwd_cluster" + "_full" * full and plan.grid == (M, tiles)
+    assert set(built.values()) <= _plan.all_kernel_names(32)
+    off = Config(fwd=FwdConfig(cluster_split_rows=0))
+    plain, _ = _plan_without_gpu("fwd", dt, M, N, 32, config=off, is_ln=ln, at_once=8)
+    assert plain.spec.tiles == (8 if tiles == 16 else tiles) and plain.spec.npt == npt
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 12),
