@@ -102,8 +102,8 @@ class FwdConfig:
     cluster_long_min_rows: int = 12
     # At most this many rows that `cluster_tiles` blocks of one vector per thread hold (small_m)
     # take `cluster_tiles_long` blocks of half the threads, as the backward's: the same bytes in
-    # flight on twice the SMs (H100: RMS 1x65536 bf16 6.72 against 6.91 us, LN 4x50000 7.74 /
-    # 8.00, LN 1x65536 7.86 / 7.94; 8 rows lost, 9.25 / 8.48). 0: off.
+    # flight on twice the SMs (H100, against 8: LN 1x65536 bf16 7.97 / 8.13 us, LN 4x50000 7.94
+    # / 8.14, RMS 4x65536 7.06 / 7.34, RMS 1x65536 6.96 / 7.10; 8 rows lost, 9.25 / 8.48). 0: off.
     cluster_split_rows: int = 4
     # The fused add's split rows that nothing overlaps (unstaged, in blocks of tpr_max threads,
     # one per SM) only for few rows, M <= sms * cluster_few_rows, which unsplit leave SMs idle
