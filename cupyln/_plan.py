@@ -515,6 +515,13 @@ def cluster_sizes(cfg: FwdConfig | BwdConfig):
     return tuple(t for t in (cfg.cluster_tiles, cfg.cluster_tiles_long) if t > 1)
 
 
+def split_order(fits, M, split_rows):
+    """The cluster sizes that hold a pass's rows (fewest blocks first) in the order it tries
+    them: for at most ``split_rows`` rows the most first, the same bytes in flight on more SMs;
+    else the fewest alone."""
+    return fits[::-1] if M <= split_rows else fits[:1]
+
+
 def fwd_cluster_sizes(cfg: FwdConfig, is_ln, hdtype):
     """The forward's cluster sizes: the larger one for RMSNorm alone, without the fused add
     (the cases it was measured to win)."""
@@ -564,10 +571,9 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
 
 def _few_row_tiles(cfg: FwdConfig, M):
     """The cluster sizes, first choice first, of ``M`` forward rows of one vector per thread
-    that ``cluster_tiles`` blocks hold: ``cluster_tiles_long`` too for at most
-    ``cluster_split_rows`` rows."""
-    split = cfg.cluster_tiles_long > cfg.cluster_tiles and M <= cfg.cluster_split_rows
-    return (cfg.cluster_tiles_long, cfg.cluster_tiles) if split else (cfg.cluster_tiles,)
+    that ``cluster_tiles`` blocks hold (``split_order``)."""
+    fits = tuple(t for t in cluster_sizes(cfg) if t >= cfg.cluster_tiles)
+    return split_order(fits, M, cfg.cluster_split_rows)
 
 
 def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, npt):
@@ -688,7 +694,7 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
     most = bwd_threads(cfg.cluster_npt)
     sizes = cluster_sizes(cfg) if info.clusters and cfg.cluster else ()
     fits = [t for t in sizes if cdiv(N // vec, t * cfg.cluster_npt) <= most]
-    for tiles in fits[::-1] if M <= cfg.cluster_split_rows else fits[:1]:
+    for tiles in split_order(fits, M, cfg.cluster_split_rows):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles,
                     residual=residual)
         if "bwd_cluster" not in spec.names("bwd_long"):  # the widths Spec builds them for
