@@ -334,9 +334,8 @@ def _fwd_cluster_tiles(cfg, info, op, M, N, vec):
 def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     """Forward rows longer than a block split over a cluster (direct, or staged where resident
     clusters loop over rows; one vector per thread for few rows (1 x 65536 in 16 blocks,
-    6 x 50000 in 8); rows
-    not a multiple of the cluster's chunk, strided rows; 16 blocks, past the portable size,
-    where 8 do not hold RMSNorm's rows) match the reference, as
+    6 x 50000 in 8); rows not a multiple of the cluster's chunk, strided rows; 16 blocks, past
+    the portable size, where 8 do not hold RMSNorm's rows) match the reference, as
     the path without clusters does; the plan takes it exactly where the device has clusters and
     one chunk of the cluster holds the row, the fewest blocks that do (rows in parts turned
     off: longer rows then take a block each)."""

@@ -246,9 +246,9 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     of whole warps (RMSNorm's rows that need more, at least ``cluster_long_min_rows`` of them:
     ``cluster_tiles_long``): staged (resident clusters looping over rows, two buffers of
     the block's part in shared memory) where there are more rows than resident clusters, else
-    one cluster per row, of one vector per thread where such blocks hold the row; no other
-    row is (longer ones go in parts over the grid, or a block
-    each), with or without rows in parts; LayerNorm's rows that are a whole number of the
+    one cluster per row, of one vector per thread where such blocks hold the row (16 blocks
+    of half the threads for few rows); no other row is (longer ones go in parts over the grid,
+    or a block each), with or without rows in parts; LayerNorm's rows that are a whole number of the
     cluster's chunks without column tests. (Rows held in a cluster's shared memory, off here,
     have their own test.)"""
     no_parts = Config(fwd=FwdConfig(parts_rows=0, resident_npt=0))
