@@ -14,8 +14,11 @@ import functools
 import struct
 import threading
 
-from cupy_backends.cuda.api import driver as _drv
-from cupy_backends.cuda.api import runtime as _rt
+try:
+    from cupy_backends.cuda.api import driver as _drv
+    from cupy_backends.cuda.api import runtime as _rt
+except ImportError:  # no CuPy: the planner and its tests still import this module; nothing launches
+    _drv = _rt = None
 
 _STRUCT = {"p": "Q", "i": "q", "f": "f", "d": "d"}  # native-aligned C layout of each argument
 PORTABLE_CLUSTER = 8  # blocks per cluster every sm_90 device runs; more need an opt-in

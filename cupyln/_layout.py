@@ -82,6 +82,18 @@ def vec_width(dtype, N, lds, ptrs):
     return 1
 
 
+def peelable(dtype, vec, N, inputs, outs):
+    """Whether rows of vectors narrower than 16 bytes can be peeled: every input's rows
+    (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as every
+    output's (``outs``: rows of N; None for one allocated 256-byte aligned), row after row."""
+    wide = 16 // dtype.itemsize
+    offsets = {0 if o is None else o.data.ptr % 16 for o in outs}
+    if vec >= wide or len(offsets) != 1:
+        return False
+    (at,) = offsets
+    return all((ld - N) % wide == 0 and a.data.ptr % 16 == at for a, ld in inputs)
+
+
 def flat(p):
     """Parameters as contiguous 1-D arrays (no copy, and no CuPy call, when they already are)."""
     if p is None or (p.ndim == 1 and p.flags.c_contiguous):

@@ -19,7 +19,7 @@ import numpy as np
 from . import _plan
 from ._config import DEFAULT
 from ._dtypes import ACC_DTYPES, FLOAT32, add_vec, kernel_param_dtype, param_dtype
-from ._layout import Extents, Layout, fill, flat, ptr, rows, vec_width
+from ._layout import Extents, Layout, fill, flat, peelable, ptr, rows, vec_width
 
 _get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
 _is_capturing = cp.cuda.runtime.streamIsCapturing
@@ -326,24 +326,12 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
             vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         ins = [(xr, ldx)] + ([(r2, ldr)] if r2 is not None else [])
-        peel = _peelable(x.dtype, vec, N, ins, [y, h] if hdtype is not None else [y])
+        peel = peelable(x.dtype, vec, N, ins, [y, h] if hdtype is not None else [y])
         plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
         hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:
             remember(hot)
         return hot(xr, g2, b2, out, r2)
-
-
-def _peelable(dtype, vec, N, inputs, outs):
-    """Whether rows of vectors narrower than 16 bytes can be peeled: every input's rows
-    (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as every
-    output's (``outs``: rows of N; None for one allocated 256-byte aligned), row after row."""
-    wide = 16 // dtype.itemsize
-    offsets = {0 if o is None else o.data.ptr % 16 for o in outs}
-    if vec >= wide or len(offsets) != 1:
-        return False
-    (at,) = offsets
-    return all((ld - N) % wide == 0 and a.data.ptr % 16 == at for a, ld in inputs)
 
 
 def _empty_forward(x, lead, is_ln, hdtype, out):
@@ -387,7 +375,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
         dx = out[0] if out else None
         inputs = [(xr, ldx), (dyr, lddy)] + ([(drr, ldres)] if drr is not None else [])
-        peel = _peelable(x.dtype, vec, N, inputs, [dx])
+        peel = peelable(x.dtype, vec, N, inputs, [dx])
         if drr is not None:
             vec = add_vec(x.dtype, vec)
         plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,

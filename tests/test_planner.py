@@ -7,10 +7,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-_plan = pytest.importorskip("cupyln._plan", exc_type=ImportError)  # needs CuPy installed
-from cupyln import _layout  # noqa: E402
-from cupyln._config import DEFAULT, BwdConfig, Config, FwdConfig  # noqa: E402
-from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes  # noqa: E402
+from cupyln import _layout, _plan
+from cupyln._config import DEFAULT, BwdConfig, Config, FwdConfig
+from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes
 
 FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
 NO_PARTS = Config(fwd=FwdConfig(parts_rows=0), bwd=BwdConfig(parts_rows=0))
@@ -1137,6 +1136,7 @@ def test_hip_modules_leave_out_the_staged_and_cluster_kernels():
 def test_peeled_backward_flushes_through_partials(partials):
     """The peeled backward kernel has no atomic flush: a call that allows atomics (the config's
     atomic_flush, deterministic=False) still gets its partials and the reduction."""
+    pytest.importorskip("cupy")  # the launch layer's hot path
     from cupyln import _passes
 
     plan, _ = _plan_without_gpu("bwd", "float16", 700000, 1001, 32, peel=True)
@@ -1164,8 +1164,6 @@ def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inp
     offset within 16 bytes as each output's row r (rows of N; allocated: 256-byte aligned), for
     every r: the rule the peeled kernels' heads rely on (the fused add: y and h, or dx; x, the
     residual or dresidual, dy)."""
-    from cupyln._passes import _peelable
-
     dtype = _dtype(dt)
     s, wide = dtype.itemsize, 16 // dtype.itemsize
     vec = min(vec, wide)
@@ -1175,4 +1173,4 @@ def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inp
     alike = all((a.data.ptr + r * ld * s - (at + r * N * s)) % 16 == 0
                 for a, ld in arrays for at in starts for r in range(2 * wide))
     alike = alike and all((b - starts[0]) % 16 == 0 for b in starts)
-    assert _peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
+    assert _layout.peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
