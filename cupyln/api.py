@@ -27,7 +27,7 @@ except Exception:  # pragma: no cover - exercised on machines without CuPy
     _CUPY_ARRAY = ()
 
 Array = Any  # numpy.ndarray or cupy.ndarray
-Outputs = tuple | list | None
+Outputs = tuple | None
 
 _MAX_GPU_N = 2**31  # the forward kernel indexes within a row with 32-bit offsets
 
@@ -87,9 +87,8 @@ def _check_dtype(name, a):
 
 def _check_param_dtype(name, p, x_dtype):
     if p.dtype != x_dtype and p.dtype != FLOAT32:
-        raise TypeError(
-            f"{name} has dtype {p.dtype}; expected x's dtype ({x_dtype}) or float32"
-        )
+        want = "float32, like x" if x_dtype == FLOAT32 else f"{x_dtype} (like x) or float32"
+        raise TypeError(f"{name} has dtype {p.dtype}; expected {want}")
 
 
 def _real(name, v):
@@ -206,7 +205,8 @@ def _norm_ndim(x, gamma, beta, normalized_shape):
             raise ValueError(f"{name} has shape {other}; expected the normalized shape {want} "
                              f"(from {source})")
     if 0 in want:
-        raise ValueError(f"the normalized shape {want} must have at least one element (N >= 1)")
+        raise ValueError(f"x has shape {tuple(x.shape)}, whose normalized part {want} is empty: "
+                         "each row needs at least one element")
     return len(want)
 
 
@@ -227,7 +227,8 @@ def _check_stats(x, stats):
             *(tuple(st.shape) for _, st in stats)))
     n = stats[0][1].ndim
     if 0 in x.shape[n:]:
-        raise ValueError("the normalized part of x must have at least one element (N >= 1)")
+        raise ValueError(f"x has shape {tuple(x.shape)}, whose normalized part "
+                         f"{tuple(x.shape[n:])} is empty: each row needs at least one element")
     return x.ndim - n
 
 
@@ -272,8 +273,10 @@ def _check_out(out, want, kind, dev, inputs):
     if out is None:
         return (None,) * len(want)
     names = ", ".join(w[0] for w in want)
-    if not isinstance(out, (tuple, list)) or len(out) != len(want):
-        raise TypeError(f"out must be a tuple of {len(want)} arrays or None ({names})")
+    if type(out) is not tuple or len(out) != len(want):
+        raise TypeError(f"out must be None or a tuple of {len(want)} entries ({names}), each an "
+                        f"array or None; got {type(out).__name__}"
+                        + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
     spans = None
     for o, (name, shape, dtype, computed) in zip(out, want, strict=True):
         if o is None:

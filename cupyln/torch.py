@@ -496,6 +496,13 @@ _AddRMSNorm = _eager_function(_add_rms_fwd_impl, _add_setup, _add_backward, 1)
 # ----------------------------------------------------------------------------- functions
 
 
+def _tensors(**named):
+    """TypeError naming the first argument that is neither a tensor nor (where optional) None."""
+    for name, t in named.items():
+        if not isinstance(t, Tensor) and (t is not None or name in ("x", "residual")):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def _shape(normalized_shape):
     """normalized_shape as the ops' list of ints, checked as the array API checks it (a
     module's tuple of ints passes at once)."""
@@ -530,6 +537,7 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     """``torch.nn.functional.layer_norm`` through cupyln's kernels; differentiable in x, weight
     and bias. Output in x's dtype (float32 weights with 16-bit x are fine). ``weight_offset``:
     scale by ``weight + weight_offset``. Errors as ``cupyln.layer_norm_fwd``."""
+    _tensors(x=x, weight=weight, bias=bias)
     return _call(_ln_fwd, _LayerNorm, x, weight, bias, _shape(normalized_shape), float(eps),
                  deterministic, float(weight_offset))
 
@@ -539,6 +547,7 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
              deterministic: bool = False) -> Tensor:
     """``torch.nn.functional.rms_norm`` through cupyln's kernels (``eps=None``: the machine
     epsilon of x's dtype, as torch). ``weight_offset=1.0``: Gemma's ``(1 + weight)``."""
+    _tensors(x=x, weight=weight)
     return _call(_rms_fwd, _RMSNorm, x, weight, _shape(normalized_shape), _eps(eps, x),
                  deterministic, float(weight_offset))
 
@@ -555,6 +564,7 @@ def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence
     residual stream in float32) and ``y = layer_norm(h)`` in one kernel each way. Returns
     ``(y, h)``, both differentiable; x's and residual's gradients come from one backward
     kernel."""
+    _tensors(x=x, residual=residual, weight=weight, bias=bias)
     return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, _shape(normalized_shape),
                  float(eps), residual_dtype, float(weight_offset), deterministic)
 
@@ -564,6 +574,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
                  residual_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
                  deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The fused residual add of :func:`add_layer_norm`, for RMSNorm. Returns ``(y, h)``."""
+    _tensors(x=x, residual=residual, weight=weight)
     return _call(_add_rms_fwd, _AddRMSNorm, x, residual, weight, _shape(normalized_shape),
                  _eps(eps, x), residual_dtype, float(weight_offset), deterministic)
 
@@ -571,9 +582,16 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
 # ----------------------------------------------------------------------------- modules
 
 
+def _qualified_name(self):
+    """The name a module prints as: cupyln's, so that a swapped model shows the swap."""
+    return f"cupyln.torch.{type(self).__name__}"
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` (same arguments, parameters and state_dict keys) on cupyln.
     ``deterministic=True``: bitwise repeatable weight and bias gradients."""
+
+    _get_name = _qualified_name
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True,
                  device=None, dtype=None, *, deterministic=False):
@@ -589,6 +607,8 @@ class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` (same arguments, parameters and state_dict keys) on cupyln.
     ``weight_offset``: scale by ``weight + weight_offset``, the weight starting at
     ``1 - weight_offset`` (Gemma: ``weight_offset=1.0``, weights from zero)."""
+
+    _get_name = _qualified_name
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
                  dtype=None, *, weight_offset=0.0, deterministic=False):

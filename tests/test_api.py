@@ -102,7 +102,9 @@ BAD_FWD = [
     (ValueError, "trailing axes", lambda: cupyln.layer_norm_fwd(X, _rand((4, 8, 1)))),
     (ValueError, "beta has shape", lambda: cupyln.layer_norm_fwd(X, G, _rand((4,)))),
     (ValueError, "at least one axis", lambda: cupyln.layer_norm_fwd(np.array(1.0, np.float32))),
-    (ValueError, "at least one element", lambda: cupyln.layer_norm_fwd(_rand((4, 0)))),
+    (ValueError, r"x has shape \(4, 0\), whose normalized part \(0,\) is empty", lambda: cupyln.layer_norm_fwd(_rand((4, 0)))),
+    (TypeError, "gamma has dtype float16; expected float32, like x$", lambda: cupyln.layer_norm_fwd(X, G.astype("f2"))),
+    (TypeError, r"gamma has dtype float64; expected float16 \(like x\) or float32$", lambda: cupyln.rms_norm_fwd(X.astype("f2"), G.astype("f8"))),
     (ValueError, "eps must be finite and >= 0", lambda: cupyln.layer_norm_fwd(X, eps=-1e-5)),
     (ValueError, "eps must be finite", lambda: cupyln.rms_norm_fwd(X, eps=float("nan"))),
     (ValueError, "eps must be finite", lambda: cupyln.rms_norm_fwd(X, eps=float("inf"))),
@@ -171,8 +173,9 @@ def _outs():
 
 
 BAD_OUT = [
-    (TypeError, "out must be a tuple of 3", lambda o: cupyln.layer_norm_fwd(X, G, out=o[:2])),
-    (TypeError, "out must be a tuple of 2", lambda o: cupyln.rms_norm_fwd(X, G, out=o[0])),
+    (TypeError, r"out must be None or a tuple of 3 entries \(y, mean, rstd\).* got tuple of 2", lambda o: cupyln.layer_norm_fwd(X, G, out=o[:2])),
+    (TypeError, "out must be None or a tuple of 2 .* got ndarray$", lambda o: cupyln.rms_norm_fwd(X, G, out=o[0])),
+    (TypeError, "out must be None or a tuple of 3 .* got list of 3$", lambda o: cupyln.layer_norm_fwd(X, G, out=list(o))),
     (TypeError, "out y has dtype float16", lambda o: cupyln.layer_norm_fwd(
         X, G, out=(o[0].astype("f2"), None, None))),
     (ValueError, r"out mean has shape \(3,\)", lambda o: cupyln.layer_norm_fwd(

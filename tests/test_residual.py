@@ -216,11 +216,11 @@ def test_backward_rejects_bad_dresidual_and_dy():
 
 def test_out_takes_h_and_checks_it():
     x, r, g = _ok()
-    out = [np.empty_like(x), np.empty(4, F32), np.empty(4, F32), np.empty((4, 8), F32)]
+    out = (np.empty_like(x), np.empty(4, F32), np.empty(4, F32), np.empty((4, 8), F32))
     res = cupyln.layer_norm_fwd(x, g, residual=r, residual_dtype=F32, out=out)
     assert all(a is b for a, b in zip(res, out, strict=True))
     np.testing.assert_array_equal(out[3], x.astype(F32) + r.astype(F32))
-    with pytest.raises(TypeError, match="out must be a tuple of 4"):
+    with pytest.raises(TypeError, match="out must be None or a tuple of 4"):
         cupyln.layer_norm_fwd(x, g, residual=r, out=out[:3])
     with pytest.raises(TypeError, match="out h has dtype float32; expected bfloat16"):
         cupyln.layer_norm_fwd(x, g, residual=r, out=out)

@@ -134,6 +134,7 @@ def test_replace_norms_swaps_in_place_and_keeps_parameters():
     assert type(model[1][0]) is ct.LayerNorm and type(model[1][1]) is ct.RMSNorm
     assert model[1][0].weight is weight and model[1][0].deterministic
     assert torch.allclose(model(x), want, atol=1e-5)
+    assert "cupyln.torch.LayerNorm((16,)" in repr(model) and "cupyln.torch.RMSNorm((16,)" in repr(model)
 
 
 def test_no_weight_gradient_without_weight_and_none_where_not_required():
@@ -369,6 +370,21 @@ def test_prepared_calls_from_a_thread_without_a_current_context():
 def test_unsupported_tensor_dtype_is_named():
     with pytest.raises(TypeError, match="got torch.int32"):
         ct.layer_norm(torch.ones(2, 4, dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda a, t: ct.LayerNorm(4)(a), "x"),
+    (lambda a, t: ct.RMSNorm(4)(a), "x"),
+    (lambda a, t: ct.layer_norm(t, 4, a), "weight"),
+    (lambda a, t: ct.layer_norm(t, 4, None, a), "bias"),
+    (lambda a, t: ct.add_rms_norm(t, a, 4), "residual"),
+    (lambda a, t: ct.FusedAddLayerNorm(4)(a, t), "x"),
+])
+def test_a_non_tensor_is_a_type_error_naming_the_argument(call, name):
+    import numpy as np
+
+    with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor, got ndarray$"):
+        call(np.ones((2, 4), np.float32), torch.ones(2, 4))
 
 
 # --------------------------------------------------------------------------- fused residual add
