@@ -21,7 +21,7 @@ import sys
 
 import cupy as cp
 
-from cupyln import BwdConfig, Config, FwdConfig, _check
+from cupyln import BwdConfig, Config, FwdConfig, check
 
 CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
@@ -103,7 +103,7 @@ for (op, M, N, dt, wdt), (det, atomic, stage, csum, fused) in pairs:
                                   peel_rows=8 if csum else 0,
                                   peel_tile_rows=4 if csum else 0,
                                   **FIELDS.get("bwd", {})))
-    rows = _check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
+    rows = check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
                         fused=fused)
     cp.cuda.Device().synchronize()
     worst = max(rows, key=lambda r: r[1] / r[2])

@@ -1,7 +1,9 @@
 """cupyln: LayerNorm and RMSNorm, forward and backward, as CuPy kernels (NumPy reference on CPU).
 
-The contract is ``docs/api.md``; ``help(cupyln.layer_norm_fwd)`` and the other functions carry
-their part of it.
+The contract is ``docs/api.md``, shipped in the package (``cupyln docs`` prints it);
+``help(cupyln.layer_norm_fwd)`` and the other functions carry their part of it. ``cupyln.check``
+holds the tolerances and the comparisons with the float64 reference; ``cupyln.torch`` the PyTorch
+functions and modules.
 """
 
 from __future__ import annotations

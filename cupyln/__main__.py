@@ -1,34 +1,47 @@
-"""``python -m cupyln [check|bench|info]``: see ``python -m cupyln --help``."""
+"""``cupyln [check|bench|info|docs]`` (or ``python -m cupyln``): see ``cupyln --help``."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from . import __version__
-from ._cli import main_parser
+from ._cli import GPU_EXTRAS, main_parser
 from ._device import gpu
 
 
-def run_check(xp, label):
-    from . import _check
+def _table(title, table):
+    from . import check as _check
 
-    print(f"self-check on {label}: cupyln vs the NumPy float64 reference")
-    table = _check.self_check(xp)
+    print(title)
     print(_check.format_table(table))
-    bad = [r for r in table if not r[-1]]
-    print(f"{len(table) - len(bad)}/{len(table)} outputs within tolerance")
-    return not bad
+    return [r for r in table if not r[-1]]
 
 
 def check():
-    cp, what = gpu()
-    if cp is None:
-        import numpy as np
+    import numpy as np
 
-        print(f"{what}: running the NumPy path (reference implementation) on the CPU")
-        return 0 if run_check(np, "CPU (NumPy path)") else 1
-    return 0 if run_check(cp, f"GPU {what}") else 1
+    from . import check as _check
+
+    cp, what = gpu()
+    xp, where = (np, "the NumPy path (CPU)") if cp is None else (cp, f"the GPU ({what})")
+    if cp is None:
+        print(f"{what}: checking the NumPy path; for the kernels, {GPU_EXTRAS}")
+    grads = _check.gradient_table(xp)
+    bad = _table(f"\n1. gradients on {where}: each backward output against central finite "
+                 "differences of the forward, float64", grads)
+    if cp is None:
+        title = ("2. precision on the NumPy path: float16, bfloat16 and float32 outputs against "
+                 "the float64 reference (the reference rounded once to the output's dtype)")
+    else:
+        title = (f"2. precision on the GPU ({what}): the kernels' outputs against the float64 "
+                 "NumPy reference")
+    table = _check.self_check(xp)
+    bad += _table("\n" + title, table)
+    rows = len(grads) + len(table)
+    print(f"\n{rows - len(bad)}/{rows} outputs within tolerance")
+    return 0 if not bad else 1
 
 
 def info():
@@ -39,7 +52,8 @@ def info():
     try:
         import cupy
     except ImportError as e:
-        print(f"cupy: not installed ({e}); only NumPy arrays are accepted")
+        print(f"cupy: not installed ({e}); only NumPy arrays are accepted; for the GPU, "
+              f"{GPU_EXTRAS}")
         print("compile cache: none (no CuPy)")
         print("device: none (no CuPy)")
         return 0
@@ -57,16 +71,28 @@ def info():
     return 0
 
 
+def docs():
+    """The contract: the package's copy of docs/api.md (a checkout's where not installed)."""
+    here = Path(__file__).resolve().parent
+    path = here / "docs" / "api.md"
+    print((path if path.exists() else here.parent / "docs" / "api.md").read_text(), end="")
+    return 0
+
+
 def main(argv=None):
-    args, rest = main_parser(__version__).parse_known_args(argv)
+    prog = "cupyln" if Path(sys.argv[0]).name == "cupyln" else "python -m cupyln"
+    parser = main_parser(__version__, prog)
+    args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
-        main_parser(__version__).parse_args(argv)  # exits 2 naming the unknown arguments
+        parser.parse_args(argv)  # exits 2 naming the unknown arguments
     if args.command == "info":
         return info()
+    if args.command == "docs":
+        return docs()
     if args.command == "bench":
         cp, what = gpu()
         if cp is None:
-            print(f"the benchmark needs a GPU: {what}", file=sys.stderr)
+            print(f"the benchmark needs a GPU: {what}; {GPU_EXTRAS}", file=sys.stderr)
             return 1
         from . import bench
 
@@ -74,5 +100,10 @@ def main(argv=None):
     return check()
 
 
-if __name__ == "__main__":
+def console():
+    """The ``cupyln`` console script."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    console()

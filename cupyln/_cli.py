@@ -4,11 +4,42 @@ from __future__ import annotations
 
 import argparse
 
-BENCH_DESCRIPTION = """\
+GPU_EXTRAS = ('install CuPy with cupyln\'s extra for your GPU: pip install "cupyln[cuda13]" '
+              '(CUDA 13.x), "cupyln[cuda12]" (CUDA 12.x) or "cupyln[rocm]" (ROCm 7.0)')
+
+CHECK_DESCRIPTION = """\
+Check cupyln's numbers and print what was checked, one line per output (the default command).
+
+- Gradients: the backward formulas (LayerNorm, RMSNorm, the fused residual add, a weight
+  offset) against central finite differences of the forward, in float64.
+- Precision: each pass in float16, bfloat16 and float32 against the float64 reference (the
+  errors allowed are the ones the test suite holds the kernels to).
+On a usable GPU both run the CuPy kernels (float64 included); without one they run the NumPy
+path, whose lower-precision outputs are the float64 reference rounded once.
+
+Exit status 0 when every output is within its tolerance, else 1."""
+
+BENCH_DESCRIPTION = f"""\
 Benchmark cupyln against PyTorch and Liger-Kernel (where installed) on one GPU, in one process:
 device time (CUDA events, cold L2), GB/s and the fraction of the device-to-device copy
-bandwidth measured in the same run, host time per call and first-call compile latency. The
-JSON schema is documented in benchmarks/README.md."""
+bandwidth measured in the same run, host time per call and first-call compile latency.
+Needs a GPU: {GPU_EXTRAS}."""
+
+BENCH_SCHEMA = """\
+JSON output (schema 1): {schema, device, copy_GBs, versions: {cupyln, cupy, torch, liger},
+rows: [...]}. A row is {op, M, N, dtype, pass, provider, us, GBs}:
+  op        layernorm, rmsnorm, or their fused residual add layernorm_add / rmsnorm_add
+  pass      fwd, bwd (device time); module_fwd, module_bwd (a PyTorch module's forward, and its
+            backward through autograd); fwd_host, bwd_host (host time per call of 2,000
+            back-to-back calls at 32x512 float16), *_host_out (the same with out=),
+            module_fwd_host, module_bwd_host, module_fwd_nograd_host (a module's calls);
+            fwd_compile_cold, bwd_compile_cold (first call, empty compile cache),
+            fwd_first_call_warm, bwd_first_call_warm (first call, cache filled)
+  provider  cupyln, torch, liger (functions); cupyln_unfused (cupyln's norm and a separate
+            add); cupyln.torch, torch.nn, liger.nn (modules)
+  us        microseconds (median); GBs: bytes moved / time (null for host and first-call rows):
+            forward 2*M*N*s + parameters + statistics, backward 3*M*N*s + gamma +
+            dgamma/dbeta + statistics (s: element size; the fused add 4*M*N*s each)"""
 
 
 def add_bench_arguments(ap):
@@ -24,22 +55,33 @@ def add_bench_arguments(ap):
     return ap
 
 
+def _bench_parser(make, prog):
+    return add_bench_arguments(make(
+        prog=prog, description=BENCH_DESCRIPTION, epilog=BENCH_SCHEMA,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
 def bench_parser(prog="python -m cupyln.bench"):
-    return add_bench_arguments(argparse.ArgumentParser(
-        prog=prog, description=BENCH_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+    return _bench_parser(argparse.ArgumentParser, prog)
 
 
-def main_parser(version):
+def main_parser(version, prog="python -m cupyln"):
     ap = argparse.ArgumentParser(
-        prog="python -m cupyln",
-        description="cupyln: LayerNorm and RMSNorm for training, on CuPy (NumPy on a CPU).")
+        prog=prog,
+        description="cupyln: LayerNorm and RMSNorm for training, on CuPy (NumPy on a CPU). "
+                    "Without a command: check.")
     ap.add_argument("--version", action="version", version=f"cupyln {version}")
-    sub = ap.add_subparsers(dest="command", metavar="{check,bench,info}")
-    sub.add_parser("check", help="compare cupyln with the float64 reference (the default): "
-                                 "on the GPU where one is usable, else the NumPy path")
-    add_bench_arguments(sub.add_parser(
-        "bench", help="the benchmark (needs a GPU)", description=BENCH_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-    sub.add_parser("info", help="versions, the device and the compile-cache folder")
+    sub = ap.add_subparsers(dest="command", metavar="{check,bench,info,docs}")
+    raw = argparse.RawDescriptionHelpFormatter
+    sub.add_parser("check", help="check gradients and precision against float64 (the default)",
+                   description=CHECK_DESCRIPTION, formatter_class=raw)
+    _bench_parser(lambda **kw: sub.add_parser(
+        "bench", help="the benchmark against PyTorch and Liger-Kernel (needs a GPU)", **kw),
+        f"{prog} bench")
+    sub.add_parser("info", help="versions, the device and the compile-cache folder",
+                   description="Print cupyln's, Python's, NumPy's and CuPy's versions, the GPU "
+                               "cupyln would use (or why none) and CuPy's compile-cache folder.")
+    sub.add_parser("docs", help="print the API contract (docs/api.md, shipped in the package)",
+                   description="Print cupyln's API contract: every function, its shapes, dtypes, "
+                               "errors, determinism and streams (the package's docs/api.md).")
     return ap

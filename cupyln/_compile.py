@@ -13,7 +13,6 @@ own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across processes.
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -296,10 +295,11 @@ def _op(is_ln):
 
 
 def _read(name):
-    try:  # installed: the wheel maps kernels/ to cupyln.kernels
-        return importlib.resources.files("cupyln.kernels").joinpath(name).read_text()
-    except ModuleNotFoundError:  # imported from a source checkout: kernels/ beside cupyln/
-        return (Path(__file__).resolve().parent.parent / "kernels" / name).read_text()
+    """A kernel source: cupyln/kernels/ where installed (the wheel maps kernels/ there), else
+    kernels/ beside cupyln/ in a source checkout."""
+    here = Path(__file__).resolve().parent
+    path = here / "kernels" / name
+    return (path if path.exists() else here.parent / "kernels" / name).read_text()
 
 
 @functools.cache

@@ -11,8 +11,8 @@ each one's median is over all its rounds' calls, so a drift of the GPU's speed d
 falls on every provider alike. GB/s count the bytes
 each pass must move (forward 2*M*N*s, backward 3*M*N*s, plus parameters and statistics); every
 ratio is against the device-to-device copy bandwidth measured in the same run. Host time of a
-hot call: 2,000 back-to-back calls at 32x512 float16 with one synchronize. The JSON schema is
-documented in benchmarks/README.md.
+hot call: 2,000 back-to-back calls at 32x512 float16 with one synchronize. The JSON schema:
+``python -m cupyln bench --help``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 
 import cupyln
 from cupyln import reference as ref
-from cupyln._check import TOL, dweight_floors, dx_floor, max_err
+from cupyln.check import TOL, dweight_floors, dx_floor, max_err
 
 cp = pytest.importorskip("cupy")
 

@@ -142,7 +142,17 @@ def test_wheel_ships_kernel_sources(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in (*_compile.HEADERS, *_compile.SOURCES):
         assert f"cupyln/kernels/{f}" in names
-    assert "cupyln/py.typed" in names
+    assert "cupyln/py.typed" in names and "cupyln/docs/api.md" in names  # help(cupyln) names it
+
+
+def test_the_kernel_folder_is_no_importable_package():
+    """From the repository's root (on sys.path under ``python -m pytest``), ``import kernels``
+    must not find cupyln's sources as a regular package: transformers imports Hugging Face's
+    ``kernels`` package by that name where it is installed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip().startswith(os.path.join(root, "kernels"))
 
 
 def test_installed_package_finds_its_sources():

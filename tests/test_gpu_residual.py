@@ -21,7 +21,7 @@ from strategies import BOUNDARY_N
 
 import cupyln
 from cupyln import reference as ref
-from cupyln._check import dweight_floors, dx_floor
+from cupyln.check import dweight_floors, dx_floor
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from gpu_cases import (
 
 import cupyln
 from cupyln import reference as ref
-from cupyln._check import dx_floor
+from cupyln.check import dx_floor
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import cupyln
 from cupyln import reference as ref
-from cupyln._check import dx_floor
+from cupyln.check import dx_floor
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 
 import cupyln
 from cupyln import reference as ref
-from cupyln._check import TOL, max_err
+from cupyln.check import TOL, max_err
 
 cp = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]

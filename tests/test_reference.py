@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from strategies import shapes, values
 
 from cupyln import reference as ref
-from cupyln._check import dweight_floors, max_err
+from cupyln.check import dweight_floors, max_err
 
 LN_RMS = st.sampled_from(["ln", "rms"])
 

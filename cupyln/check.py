@@ -1,5 +1,12 @@
-"""Compare cupyln against the float64 reference: the tolerances, and the self-check that
-``python -m cupyln`` and the notebook run. Works on NumPy arrays or CuPy arrays."""
+"""Check cupyln's numbers: the tolerances its tests hold it to, the comparison with the float64
+reference, the gradients against finite differences of the forward, and the self-check that
+``python -m cupyln check`` runs. Works on NumPy arrays or CuPy arrays.
+
+    from cupyln import check
+    err = check.max_err(y, want)          # max |y - want| / max |want|
+    ok = err <= check.TOL[y.dtype]        # the tolerance of y's dtype
+    rows = check.gradient_check(np)       # (op, output, err, tol) per gradient
+"""
 
 from __future__ import annotations
 
@@ -120,6 +127,59 @@ def check(xp, op, M, N, dtype, wdtype=None, seed=0, deterministic=False, config=
             for name, out, want in rows]
 
 
+#: Largest gradient error allowed against central differences (float64, relative to the sum of
+#: the terms of the directional derivative): the step's truncation and rounding are far below.
+GRAD_TOL = 1e-7
+GRADIENT_PROBLEMS = [("layernorm", False), ("rmsnorm", False), ("layernorm", True),
+                     ("rmsnorm", True)]
+
+
+def gradient_check(xp, op, fused, M=5, N=48, seed=0, step=1e-5):
+    """Rows ``(output, err, GRAD_TOL)``: each gradient of the backward against central
+    differences of the forward's loss ``L = <dy, y>`` (plus ``<dresidual, h>`` with the fused
+    add, whose weight offset is 0.5) along a random direction, all in float64 on ``xp``."""
+    rng = np.random.default_rng(seed)
+    is_ln = op == "layernorm"
+    at = {"x": rng.standard_normal((M, N)), "gamma": 1 + 0.2 * rng.standard_normal(N)}
+    if is_ln:
+        at["beta"] = 0.2 * rng.standard_normal(N)
+    if fused:
+        at["residual"] = rng.standard_normal((M, N))
+    dy = rng.standard_normal((M, N))
+    dres = rng.standard_normal((M, N)) if fused else None
+    woff = 0.5 if fused else 0.0
+    fwd, bwd = (api.layer_norm_fwd, api.layer_norm_bwd) if is_ln else (api.rms_norm_fwd,
+                                                                         api.rms_norm_bwd)
+
+    def forward(v):
+        a = {k: xp.asarray(t) for k, t in v.items()}
+        params = (a["gamma"], a["beta"]) if is_ln else (a["gamma"],)
+        return fwd(a["x"], *params, residual=a.get("residual"), weight_offset=woff)
+
+    def loss(v):
+        outs = forward(v)
+        return float((dy * to_numpy(outs[0])).sum()
+                     + ((dres * to_numpy(outs[-1])).sum() if fused else 0.0))
+
+    outs = forward(at)
+    stats = outs[1:len(outs) - fused]
+    xin = outs[-1] if fused else xp.asarray(at["x"])
+    grads = bwd(xp.asarray(dy), xin, xp.asarray(at["gamma"]), *stats, weight_offset=woff,
+                dresidual=None if dres is None else xp.asarray(dres))
+    named = dict(zip(("dx", "dgamma", "dbeta"), map(to_numpy, grads), strict=False))
+    rows = []
+    for name, grad in (("x", "dx"), ("residual", "dx"), ("gamma", "dgamma"), ("beta", "dbeta")):
+        if name not in at:
+            continue
+        v = rng.standard_normal(at[name].shape)
+        up, down = dict(at), dict(at)
+        up[name], down[name] = at[name] + step * v, at[name] - step * v
+        fd = (loss(up) - loss(down)) / (2 * step)
+        terms = named[grad] * v
+        rows.append((f"d{name}", abs(fd - terms.sum()) / np.abs(terms).sum(), GRAD_TOL))
+    return rows
+
+
 SELF_CHECK_PROBLEMS = [
     ("layernorm", 37, 1000, FLOAT16, FLOAT32),
     ("layernorm", 64, 4096, BFLOAT16, None),
@@ -132,17 +192,30 @@ SELF_CHECK_PROBLEMS = [
 
 
 def self_check(xp, problems=SELF_CHECK_PROBLEMS):
-    """Rows (op, M, N, dtype, output, err, tol, ok) for each problem and output."""
+    """Rows (op, M, N, dtype, output, err, tol, ok) for each problem and output. On NumPy arrays
+    float64 problems are left out: the NumPy path is the float64 reference itself there."""
     table = []
     for op, M, N, dt, wdt in problems:
+        if xp is np and np.dtype(dt) == FLOAT64:
+            continue
         for name, err, tol in check(xp, op, M, N, dt, wdt):
             table.append((op, M, N, np.dtype(dt).name, name, err, tol, err <= tol))
     return table
 
 
+def gradient_table(xp, problems=GRADIENT_PROBLEMS):
+    """Rows (op, M, N, dtype, output, err, tol, ok) of :func:`gradient_check` for each problem
+    (op, fused add), in self_check's form."""
+    table = []
+    for op, fused in problems:
+        for name, err, tol in gradient_check(xp, op, fused):
+            table.append((op + "+add" * fused, 5, 48, "float64", name, err, tol, err <= tol))
+    return table
+
+
 def format_table(table):
-    lines = [f"{'op':<10}{'M':>6}{'N':>7}  {'dtype':<9}{'output':<8}{'max err':>10}{'tol':>9}  ok"]
+    lines = [f"{'op':<14}{'M':>6}{'N':>7}  {'dtype':<9}{'output':<10}{'max err':>10}{'tol':>9}  ok"]
     for op, M, N, dt, name, err, tol, ok in table:
-        lines.append(f"{op:<10}{M:>6}{N:>7}  {dt:<9}{name:<8}{err:>10.2e}{tol:>9.0e}  "
+        lines.append(f"{op:<14}{M:>6}{N:>7}  {dt:<9}{name:<10}{err:>10.2e}{tol:>9.0e}  "
                      f"{'yes' if ok else 'NO'}")
     return "\n".join(lines)
