@@ -13,7 +13,6 @@ import cupyln
 from cupyln import api, check
 
 
-
 def _run(*args):
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
                           timeout=300)

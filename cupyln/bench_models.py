@@ -1,0 +1,155 @@
+"""Whole training steps of small pre-norm transformer stacks, with each provider's norms: what a
+model sees of a norm's device and host time together.
+
+    python -m cupyln.bench_models [--configs gpt-512x6,...] [--compiled] [--out steps.json]
+
+A step is zero_grad, forward, a mean-square loss, backward and a fused AdamW step, the parameters
+in bfloat16; its time is the median of CUDA events around ``STEPS`` steps after ``WARMUP``. The
+providers' models start from the same weights. ``cupyln bench`` records these rows under the
+key ``model_steps``: one per (config, provider, compiled) with ``ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import NamedTuple
+
+WARMUP, STEPS = 5, 15
+
+
+class StackConfig(NamedTuple):
+    name: str
+    norm: str  # "layernorm" (GPT: GELU MLP) or "rmsnorm" (Llama: SwiGLU MLP)
+    d: int
+    layers: int
+    tokens: int
+    seq: int
+
+
+CONFIGS = {c.name: c for c in (
+    StackConfig("gpt-512x6", "layernorm", 512, 6, 1024, 512),
+    StackConfig("gpt-768x12", "layernorm", 768, 12, 8192, 1024),
+    StackConfig("gpt-1024x8", "layernorm", 1024, 8, 8192, 1024),
+    StackConfig("llama-512x6", "rmsnorm", 512, 6, 1024, 512),
+    StackConfig("llama-2048x4", "rmsnorm", 2048, 4, 8192, 1024),
+)}
+
+
+def norm_classes(torch, provider):
+    """(LayerNorm, RMSNorm) of a provider; None where it cannot be imported."""
+    if provider == "torch":
+        return torch.nn.LayerNorm, torch.nn.RMSNorm
+    if provider == "cupyln":
+        import cupyln.torch as ct
+
+        return ct.LayerNorm, ct.RMSNorm
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+    except Exception:
+        return None
+    return (lambda d: LigerLayerNorm(d)), (lambda d: LigerRMSNorm(d))
+
+
+def build(torch, cfg: StackConfig, norm_cls):
+    nn, F = torch.nn, torch.nn.functional
+    heads = max(cfg.d // 128, 1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = norm_cls(cfg.d), norm_cls(cfg.d)
+            self.qkv, self.proj = nn.Linear(cfg.d, 3 * cfg.d), nn.Linear(cfg.d, cfg.d)
+            if cfg.norm == "layernorm":
+                self.up, self.down = nn.Linear(cfg.d, 4 * cfg.d), nn.Linear(4 * cfg.d, cfg.d)
+            else:
+                hidden = 8 * cfg.d // 3 // 64 * 64
+                self.up = nn.Linear(cfg.d, 2 * hidden, bias=False)
+                self.down = nn.Linear(hidden, cfg.d, bias=False)
+
+        def mlp(self, x):
+            if cfg.norm == "layernorm":
+                return self.down(F.gelu(self.up(x)))
+            a, b = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(a) * b)
+
+        def forward(self, x):
+            B, T, D = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(B, T, 3, heads, D // heads).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+            return x + self.mlp(self.n2(x))
+
+    return nn.Sequential(*[Block() for _ in range(cfg.layers)], norm_cls(cfg.d))
+
+
+def step_ms(torch, cfg: StackConfig, norm_cls, compiled, state=None):
+    """Median ms of a training step of ``cfg`` with ``norm_cls``, from weights ``state``."""
+    torch.manual_seed(0)
+    model = build(torch, cfg, norm_cls).to("cuda", torch.bfloat16)
+    if state is not None:
+        model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    run = torch.compile(model) if compiled else model
+    x = torch.randn(cfg.tokens // cfg.seq, cfg.seq, cfg.d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        run(x).float().square().mean().backward()
+        opt.step()
+
+    for _ in range(WARMUP):
+        step()
+    times = []
+    for _ in range(STEPS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln", "liger")):
+    """One row per (config, provider, compiled): ``{config, provider, compiled, ms}``."""
+    import torch
+
+    out = []
+    for name in configs:
+        cfg = CONFIGS[name]
+        torch.manual_seed(0)
+        state = build(torch, cfg, torch.nn.LayerNorm if cfg.norm == "layernorm"
+                      else torch.nn.RMSNorm).state_dict()
+        for comp in compiled:
+            for prov in providers:
+                classes = norm_classes(torch, prov)
+                if classes is None:
+                    continue
+                cls = classes[0] if cfg.norm == "layernorm" else classes[1]
+                ms = step_ms(torch, cfg, cls, comp, state)
+                out.append({"config": name, "provider": prov, "compiled": comp, "ms": ms})
+                print(f"{name:<14} {'compiled' if comp else 'eager':<9} {prov:<8} {ms:8.3f} ms",
+                      flush=True)
+                torch._dynamo.reset()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m cupyln.bench_models", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument("--compiled", action="store_true", help="torch.compile(model) as well")
+    ap.add_argument("--out", help="JSON file for the rows")
+    a = ap.parse_args(argv)
+    result = rows(a.configs.split(","), (False, True) if a.compiled else (False,))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
