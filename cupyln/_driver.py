@@ -90,11 +90,11 @@ class Launcher:
     RawKernel it was made from. ``launcher(stream_ptr, *args)`` launches on that stream;
     ``cooperative``: every block resident at once (the driver refuses a grid that cannot be)."""
 
-    __slots__ = ("kern", "dev", "grid", "block", "smem", "kinds", "_dims", "_buf", "_params",
-                 "_params_ptr", "_pack", "_lock", "_launch")
+    __slots__ = ("kern", "dev", "grid", "block", "smem", "kinds", "cooperative", "_dims", "_buf",
+                 "_params", "_params_ptr", "_pack", "_lock", "_launch")
 
     def __init__(self, kern, grid, block, smem, kinds, cooperative=False):
-        self.kern, self.kinds = kern, kinds
+        self.kern, self.kinds, self.cooperative = kern, kinds, cooperative
         self._launch = _cooperative if cooperative else _drv.launchKernel
         self.dev = _rt.getDevice()  # plans are made with their device current
         self.grid = tuple(grid) + (1,) * (3 - len(grid))

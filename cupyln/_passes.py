@@ -17,6 +17,7 @@ import cupy as cp
 import numpy as np
 
 from . import _plan
+from ._recipe import Builder
 from ._config import DEFAULT
 from ._dtypes import ACC_DTYPES, FLOAT32, add_vec, kernel_param_dtype, param_dtype
 from ._layout import Extents, Layout, fill, flat, peelable, ptr, rows, vec_width
@@ -63,17 +64,21 @@ class _Prepared:
         allocates outputs or the addresses do not suit its vectors."""
         return not self.layout.parts and self._launch(stream, ptrs, scratch)
 
+    def native(self):
+        """The recipe for cupyln.torch's C++ layer, where it can run this pass: every output
+        given, so nothing is allocated here (None otherwise)."""
+        return None if self.layout.parts else self.recipe.native()
+
 
 class HotFwd(_Prepared):
-    __slots__ = ("dev", "launch", "parts", "layout", "given", "consts", "xmask", "wmask", "hmask",
-                 "is_ln", "ext", "add", "ldr", "peel")
+    __slots__ = ("dev", "parts", "layout", "given", "is_ln", "ext", "add", "recipe")
 
     def __init__(self, dev, plan, x_shape, lead, is_ln, given, ldx, M, N, eps, ldr=0):
         hdtype = plan.spec.hdtype
         self.add = hdtype is not None  # the fused residual add: h after the statistics
         parts = [(x_shape, plan.spec.dtype)] + [(lead, FLOAT32)] * (2 if is_ln else 1)
         parts += [(x_shape, hdtype)] if self.add else []
-        self.dev, self.launch, self.is_ln = dev, plan.launch["fwd"], is_ln
+        self.dev, self.is_ln = dev, is_ln
         self.given = given if given and any(given) else None  # which outputs out= gives
         # rows in parts: their statistics in scratch after the outputs (one allocation)
         self.parts = plan.launch.get("fwd_parts")
@@ -81,15 +86,29 @@ class HotFwd(_Prepared):
         self.layout = Layout([p for i, p in enumerate(parts)
                               if self.given is None or not self.given[i]],
                              [part_bytes] if self.parts else [])
-        self.consts = (ldx, M, N, eps)
         self.ext = Extents()
+        self.recipe = self._recipe(plan, hdtype, ldx, M, N, eps, ldr)
+
+    def _recipe(self, plan, hdtype, ldx, M, N, eps, ldr):
+        b = Builder(("x", "gamma", "beta", "residual", "y", "mean", "rstd", "h"))
         # peeled rows: any element address, x's and y's rows alike within 16 bytes
-        self.peel = plan.spec.peeled
-        v = 1 if self.peel else plan.spec.vec
-        self.xmask = v * plan.spec.dtype.itemsize - 1
-        self.wmask = v * plan.spec.wdtype.itemsize - 1
-        self.hmask = v * hdtype.itemsize - 1 if self.add else 0
-        self.ldr = ldr
+        v = 1 if plan.spec.peeled else plan.spec.vec
+        b.aligned(("x", "y"), v * plan.spec.dtype.itemsize - 1)
+        b.aligned(("gamma", "beta"), v * plan.spec.wdtype.itemsize - 1)
+        if self.add:
+            b.aligned(("residual", "h"), v * hdtype.itemsize - 1)
+        if plan.spec.peeled:
+            for other in ("y", "residual", "h") if self.add else ("y",):
+                b.alike("x", other)
+        args = ["x", b.const(ldx), "gamma", "beta", "y", "mean", "rstd", b.const(M), b.const(N),
+                b.const(eps)]
+        if self.add:
+            args += ["residual", b.const(ldr), "h"]
+        if self.parts:  # the parts' statistics, in the scratch after the outputs
+            args.append(b.scratch(self.layout.scratch[0]))
+            b.launch(self.parts, args)
+        b.launch(plan.launch["fwd"], args)
+        return b.build(self.layout.nbytes)
 
     def __call__(self, x, gamma, beta, out, residual=None):
         if _get_device() != self.dev:
@@ -114,31 +133,21 @@ class HotFwd(_Prepared):
     def _launch(self, stream, ptrs, base):
         """``ptrs``: x, gamma, beta, residual, then y, mean, rstd, h (0 for None: RMSNorm's
         mean, the add's absent)."""
-        xp, gp, bp, resp, yp, mp, rp, hp = ptrs
-        if (xp | yp) & self.xmask or (gp | bp) & self.wmask or (resp | hp) & self.hmask:
+        if not self.recipe.suits(ptrs):
             return False
-        if self.peel and ((xp ^ yp) & 15 or self.add and ((xp ^ resp) & 15 or (xp ^ hp) & 15)):
-            return False
-        ldx, M, N, eps = self.consts
-        add = (resp, self.ldr, hp) if self.add else ()
-        if self.parts:  # the parts' statistics, in the scratch after the outputs
-            add += (base + self.layout.scratch[0],)
-            self.parts(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
-        self.launch(stream, xp, ldx, gp, bp, yp, mp, rp, M, N, eps, *add)
+        self.recipe.run(stream, ptrs, base, 0)
         return True
 
 
 class HotBwd(_Prepared):
-    __slots__ = ("dev", "launch", "main", "layout", "given", "want", "consts", "xmask", "wmask",
-                 "atomic", "flushed", "dynamic", "counted", "acc_bytes", "grid_sums", "ext",
-                 "rowsums", "partial", "parts", "scratch_only", "ldres", "peel")
+    __slots__ = ("dev", "layout", "given", "want", "atomic", "flushed", "partial", "own",
+                 "scratch_only", "ext", "recipe")
 
     def __init__(self, dev, plan, x_shape, norm_shape, wdtype, want, given, partials, dynamic,
                  ldx, lddy, M, N, ldres=None):
         acc = ACC_DTYPES[plan.spec.dtype]
         parts = [(x_shape, plan.spec.dtype), (norm_shape, wdtype), (norm_shape, wdtype)]
         self.dev, self.want = dev, want
-        self.launch = plan.launch
         self.given = given if given and any(given) else None  # which outputs out= gives
         new = [p for i, p in enumerate(parts)
                if want[i] and (self.given is None or not self.given[i])]
@@ -155,33 +164,53 @@ class HotBwd(_Prepared):
         # where the plan has no reduction kernel; dynamic rows take their tickets from a
         # counter after that one
         self.flushed = self.atomic or (params and "reduce" not in plan.launch)
-        self.dynamic = dynamic
-        self.main = plan.launch["bwd_dyn" if dynamic else "bwd"]
         # a cooperative grid's row sums: in the zeroed area, after the atomic sums
         grid = bool(plan.spec.grid)
-        self.counted = self.flushed or dynamic or grid
-        self.acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
-        self.grid_sums = self.acc_bytes if grid else 0
-        self.acc_bytes += _plan.grid_sums_bytes(plan) if grid else 0
+        counted = self.flushed or dynamic or grid
+        acc_bytes = _ACC_OFFSET + (2 * N * acc.itemsize if self.atomic else 0)
+        grid_sums = acc_bytes if grid else None
+        acc_bytes += _plan.grid_sums_bytes(plan) if grid else 0
         merge = plan.launch.get("rowsums_merge")
         G = plan.launch["rowsums"].grid[1] if merge else 0  # parts per row
         scratch = {"partial": P * 2 * N * acc.itemsize if params and partials else 0,
                    "rowsums": M * 2 * acc.itemsize if "rowsums" in plan.launch else 0,
                    "parts": M * G * 2 * acc.itemsize,
-                   "own": self.acc_bytes if self.counted else 0}
+                   "own": acc_bytes if counted else 0}
         self.layout = Layout(new, [n for n in scratch.values() if n])
         offs = iter(self.layout.scratch)
-        self.partial, self.rowsums, self.parts, own = (next(offs) if n else None
-                                                       for n in scratch.values())
+        self.partial, rowsums, parts_at, self.own = (next(offs) if n else None
+                                                     for n in scratch.values())
         self.scratch_only = not new and self.layout.nbytes > 0
-        self.consts = (ldx, lddy, M, N, P, own, G)
-        self.ldres = ldres  # the fused add's dresidual: its row stride (None: no dresidual)
         self.ext = Extents()
+        b = Builder(("dy", "x", "gamma", "mean", "rstd", "dresidual", "dx", "dgamma", "dbeta"))
         # peeled rows: any element address, x's, dy's and dx's rows alike within 16 bytes
-        self.peel = plan.spec.peeled
-        v = 1 if self.peel else plan.spec.vec
-        self.xmask = v * plan.spec.dtype.itemsize - 1
-        self.wmask = v * wdtype.itemsize - 1
+        v = 1 if plan.spec.peeled else plan.spec.vec
+        b.aligned(("dy", "x", "dx", "dresidual"), v * plan.spec.dtype.itemsize - 1)
+        b.aligned(("gamma",), v * wdtype.itemsize - 1)
+        if plan.spec.peeled:
+            for other in ("dy", "dx", "dresidual"):
+                b.alike("x", other)
+        ldx, lddy, M, N = (b.const(c) for c in (ldx, lddy, M, N))
+        rs = b.scratch(rowsums)
+        stats = ("gamma", "mean", "rstd")
+        if G:  # the row sums in parts, then added
+            at = b.scratch(parts_at)
+            b.launch(plan.launch["rowsums"], ["dy", lddy, "x", ldx, *stats, at, M, N])
+            b.launch(merge, [at, b.const(G), rs, M])
+        elif rowsums is not None:
+            b.launch(plan.launch["rowsums"], ["dy", lddy, "x", ldx, *stats, rs, M, N])
+        pp = b.scratch(self.partial)
+        # the zeroed memory: the last block's ticket counter, float32 atomic sums after the
+        # counters, the rows' ticket counter after the last block's (or the grid's row sums)
+        cnt = b.zeroed(0 if self.flushed else None)
+        ap = b.zeroed(_ACC_OFFSET if self.atomic else None)
+        tk = b.zeroed(_TICKETS if dynamic else grid_sums)
+        b.launch(plan.launch["bwd_dyn" if dynamic else "bwd"],
+                 ["dy", lddy, "x", ldx, *stats, rs, "dx", "dgamma", "dbeta", ap, cnt, tk, pp, M,
+                  N, "dresidual", b.const(ldres or 0)])
+        if self.partial is not None and "reduce" in plan.launch:
+            b.launch(plan.launch["reduce"], [pp, b.const(P), N, "dgamma", "dbeta"])
+        self.recipe = b.build(self.layout.nbytes, acc_bytes if counted else 0)
 
     def __call__(self, dy, x, gamma, mean, rstd, out, dres=None):
         if _get_device() != self.dev:
@@ -207,37 +236,12 @@ class HotBwd(_Prepared):
     def _launch(self, stream, ptrs, base):
         """``ptrs``: dy, x, gamma, mean, rstd, dresidual, then dx, dgamma, dbeta (0 for
         None)."""
-        dyp, xp, gp, mp, rp, drp, dxp, dgp, dbp = ptrs
-        if (dyp | xp | dxp | drp) & self.xmask or gp & self.wmask:
+        r = self.recipe
+        if not r.suits(ptrs):
             return False
-        if self.peel and ((xp ^ dyp) & 15 or dxp and (xp ^ dxp) & 15
-                          or drp and (xp ^ drp) & 15):
-            return False
-        ldx, lddy, M, N, P, own, G = self.consts
-        rsp = 0 if self.rowsums is None else base + self.rowsums
-        launch = self.launch
-        if G:  # the row sums in parts, then added
-            partsp = base + self.parts
-            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, partsp, M, N)
-            launch["rowsums_merge"](stream, partsp, G, rsp, M)
-        elif rsp:
-            launch["rowsums"](stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, M, N)
-        pp = 0 if self.partial is None else base + self.partial
-        cnt = ap = tk = 0
-        if self.counted:
-            scratch = _atomic_scratch(self.dev, stream, self.acc_bytes, base + own)
-            if self.flushed:  # the last block's ticket counter
-                cnt = scratch
-            if self.atomic:  # float32 atomics into zeroed sums after the counters
-                ap = scratch + _ACC_OFFSET
-            if self.dynamic:  # the rows' ticket counter, after the last block's
-                tk = scratch + _TICKETS
-            elif self.grid_sums:
-                tk = scratch + self.grid_sums
-        self.main(stream, dyp, lddy, xp, ldx, gp, mp, rp, rsp, dxp, dgp, dbp, ap, cnt, tk, pp, M,
-                  N, drp, self.ldres or 0)
-        if pp and "reduce" in launch:
-            launch["reduce"](stream, pp, P, N, dgp, dbp)
+        zero = _atomic_scratch(self.dev, stream, r.zeroed_bytes, base + self.own) \
+            if r.zeroed_bytes else 0
+        r.run(stream, ptrs, base, zero)
         return True
 
 

@@ -43,6 +43,7 @@ def norm_classes(torch, provider):
     if provider == "cupyln":
         import cupyln.torch as ct
 
+        ct._native_wait()  # the C++ layer built before the steps are timed
         return ct.LayerNorm, ct.RMSNorm
     try:
         from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm

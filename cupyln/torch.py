@@ -24,7 +24,11 @@ bits between runs.
 
 from __future__ import annotations
 
+import os
+import threading
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -192,6 +196,93 @@ def _launched(key, tensors):
                          0 if scratch is None else scratch.data_ptr())
 
 
+# ----------------------------------------------------------------------------- the C++ layer
+#
+# cupyln/_torch_native.cpp runs LayerNorm and RMSNorm of CUDA tensors as C++ autograd functions
+# on the prepared passes' recipes: a module call then costs the host about what torch's own norm
+# does. It is built with torch.utils.cpp_extension (a C++ compiler and Python's headers; no CUDA
+# toolkit) on the first CUDA call, in the background: calls take the Python layer until it is
+# ready, and the build is kept on disk for later processes. CUPYLN_TORCH_NATIVE=0 keeps the
+# Python layer alone; =wait builds it before the first CUDA call returns.
+
+_NATIVE = None  # the built extension
+_NATIVE_BUILD = {}  # "thread": the build's thread; "error": why it failed
+
+
+def _native_forward(is_ln, x, weight, bias, y, mean, rstd, k, eps, weight_offset):
+    """The C++ layer's forward where it has no recipe: run here, the recipe handed back."""
+    out = (y, mean, rstd) if is_ln else (y, rstd)
+    hot = _fwd_into(out, x, weight, bias, None, x.shape[x.dim() - k:], eps, is_ln,
+                    weight_offset)
+    return None if hot is None else hot.native()
+
+
+def _native_backward(is_ln, dy, x, weight, mean, rstd, dx, dweight, dbias, deterministic,
+                     weight_offset):
+    """The C++ layer's backward where it has no recipe: run here, the recipe handed back."""
+    need = (dx is not None, dweight is not None, dbias is not None)
+    head = (("ln_bwd", *need) if is_ln else ("rms_bwd", *need[:2], False)) + (
+        deterministic, weight_offset)
+    hot = _bwd(head, dy, x, weight, mean, rstd, None, (dx, dweight, dbias), weight_offset)
+    return None if hot is None else hot.native()
+
+
+def _build_native():
+    global _NATIVE
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        src = Path(__file__).with_name("_torch_native.cpp").read_text()
+        mod = load_inline("cupyln_torch_native", cpp_sources=[src], extra_cflags=["-O2"])
+        mod.set_python(_native_forward, _native_backward)
+        _NATIVE = mod
+    except Exception as e:  # no compiler, no Python headers: the Python layer stays
+        _NATIVE_BUILD["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        warnings.warn(f"cupyln.torch: the C++ layer could not be built, so calls take the "
+                      f"Python layer (more host time per call): {_NATIVE_BUILD['error']}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _start_native():
+    """Starts the C++ layer's build, once (CUDA on NVIDIA GPUs only)."""
+    if _NATIVE_BUILD:
+        return
+    mode = os.environ.get("CUPYLN_TORCH_NATIVE", "1")
+    if mode == "0" or torch.version.hip is not None:
+        _NATIVE_BUILD["error"] = "off" if mode == "0" else "ROCm: the Python layer runs"
+        return
+    thread = _NATIVE_BUILD["thread"] = threading.Thread(
+        target=_build_native, name="cupyln.torch C++ layer build", daemon=True)
+    thread.start()
+    if mode == "wait":
+        thread.join()
+
+
+def _native_wait():
+    """The C++ layer, its build started and awaited here if need be (benchmarks, tests); None
+    where it is off or cannot be built."""
+    _start_native()
+    thread = _NATIVE_BUILD.get("thread")
+    if thread is not None:
+        thread.join()
+    return _NATIVE
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _native_takes(x, *params):
+    """Whether the C++ layer takes the call: built, eager, CUDA tensors of torch's own type
+    (no tensor subclass, no functorch transform); starts its build on a first CUDA call."""
+    if _NATIVE is None:
+        if not _NATIVE_BUILD and isinstance(x, torch.Tensor) and x.is_cuda:
+            _start_native()
+        return False
+    return (not torch.compiler.is_compiling() and type(x) in _PLAIN and x.is_cuda
+            and all(p is None or type(p) in _PLAIN for p in params)
+            and not _FUNCTORCH_ACTIVE())
+
+
 # ----------------------------------------------------------------------------- custom ops
 #
 # The forwards take ``deterministic`` only to hand it to their backward (saved in the autograd
@@ -203,14 +294,26 @@ def _like(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _fwd_into(out, x, weight, bias, residual, normalized_shape, eps, is_ln, weight_offset,
+              residual_dtype=None):
+    """The forward into ``out`` (y, the statistics, then h where there is a residual); returns
+    the call's prepared pass, None where it has none."""
+    key = _signature((is_ln, eps, tuple(normalized_shape), weight_offset, residual_dtype),
+                     (x, weight, bias, residual))
+    mean, rstd = out[1:3] if is_ln else (None, out[1])
+    h = out[-1] if residual is not None else None
+    if not _launched(key, (x, weight, bias, residual, out[0], mean, rstd, h)):
+        _run(key, api._fwd, x, weight, bias, eps, tuple(normalized_shape), is_ln, out=out,
+             config=None, residual=residual, residual_dtype=_DTYPES.get(residual_dtype),
+             weight_offset=weight_offset)
+    return _PREPARED.get(key)
+
+
 def _ln_fwd_impl(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                  normalized_shape: list[int], eps: float, deterministic: bool,
                  weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    y, mean, rstd = out = _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic)
-    key = _signature(("ln", eps, tuple(normalized_shape), weight_offset), (x, weight, bias))
-    if not _launched(key, (x, weight, bias, None, y, mean, rstd, None)):
-        _run(key, api._fwd, x, weight, bias, eps, tuple(normalized_shape), True, out=out,
-             config=None, weight_offset=weight_offset)
+    out = _ln_fwd_fake(x, weight, bias, normalized_shape, eps, deterministic)
+    _fwd_into(out, x, weight, bias, None, normalized_shape, eps, True, weight_offset)
     return out
 
 
@@ -227,11 +330,8 @@ def _stats(x, normalized_shape, n):
 
 def _rms_fwd_impl(x: Tensor, weight: Tensor | None, normalized_shape: list[int], eps: float,
                   deterministic: bool, weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
-    y, rstd = out = _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic)
-    key = _signature(("rms", eps, tuple(normalized_shape), weight_offset), (x, weight))
-    if not _launched(key, (x, weight, None, None, y, None, rstd, None)):
-        _run(key, api._fwd, x, weight, None, eps, tuple(normalized_shape), False, out=out,
-             config=None, weight_offset=weight_offset)
+    out = _rms_fwd_fake(x, weight, normalized_shape, eps, deterministic)
+    _fwd_into(out, x, weight, None, None, normalized_shape, eps, False, weight_offset)
     return out
 
 
@@ -254,12 +354,8 @@ def _add_ln_fwd_impl(x: Tensor, residual: Tensor, weight: Tensor | None, bias: T
                      deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out = _add_ln_fwd_fake(x, residual, weight, bias, normalized_shape, eps, residual_dtype,
                            weight_offset, deterministic)
-    key = _signature(("add_ln", eps, tuple(normalized_shape), weight_offset, residual_dtype),
-                     (x, residual, weight, bias))
-    if not _launched(key, (x, weight, bias, residual, *out)):
-        _run(key, api._fwd, x, weight, bias, eps, tuple(normalized_shape), True, out=out,
-             config=None, residual=residual, residual_dtype=_DTYPES.get(residual_dtype),
-             weight_offset=weight_offset)
+    _fwd_into(out, x, weight, bias, residual, normalized_shape, eps, True, weight_offset,
+              residual_dtype)
     return out
 
 
@@ -273,13 +369,8 @@ def _add_rms_fwd_impl(x: Tensor, residual: Tensor, weight: Tensor | None,
                       weight_offset: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     out = _add_rms_fwd_fake(x, residual, weight, normalized_shape, eps, residual_dtype,
                             weight_offset, deterministic)
-    key = _signature(("add_rms", eps, tuple(normalized_shape), weight_offset, residual_dtype),
-                     (x, residual, weight))
-    y, rstd, h = out
-    if not _launched(key, (x, weight, None, residual, y, None, rstd, h)):
-        _run(key, api._fwd, x, weight, None, eps, tuple(normalized_shape), False, out=out,
-             config=None, residual=residual, residual_dtype=_DTYPES.get(residual_dtype),
-             weight_offset=weight_offset)
+    _fwd_into(out, x, weight, None, residual, normalized_shape, eps, False, weight_offset,
+              residual_dtype)
     return out
 
 
@@ -318,14 +409,16 @@ def _ln_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rst
 
 
 def _bwd(head, dy, x, weight, mean, rstd, dresidual, grads, weight_offset):
-    """The backward into ``grads`` (None where not needed; ``head``: the op, its flags)."""
+    """The backward into ``grads`` (None where not needed; ``head``: the op, its flags);
+    returns the call's prepared pass, None where it has none."""
     if not any(g is not None for g in grads):
-        return
+        return None
     key = _signature(head, (dy, x, weight, mean, rstd, dresidual))
     if not _launched(key, (dy, x, weight, mean, rstd, dresidual, *grads)):
         _run(key, api._bwd, dy, x, weight, mean, rstd, *head[1:5],
              out=grads if mean is not None else grads[:2], config=None, dresidual=dresidual,
              weight_offset=weight_offset)
+    return _PREPARED.get(key)
 
 
 def _ln_bwd_fake(dy, x, weight, mean, rstd, need_dx, need_dweight, need_dbias, deterministic,
@@ -538,8 +631,12 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     and bias. Output in x's dtype (float32 weights with 16-bit x are fine). ``weight_offset``:
     scale by ``weight + weight_offset``. Errors as ``cupyln.layer_norm_fwd``."""
     _tensors(x=x, weight=weight, bias=bias)
-    return _call(_ln_fwd, _LayerNorm, x, weight, bias, _shape(normalized_shape), float(eps),
-                 deterministic, float(weight_offset))
+    shape = _shape(normalized_shape)
+    if _native_takes(x, weight, bias):
+        return _NATIVE.norm(x, weight, bias, shape, float(eps), True, float(weight_offset),
+                            deterministic)
+    return _call(_ln_fwd, _LayerNorm, x, weight, bias, shape, float(eps), deterministic,
+                 float(weight_offset))
 
 
 def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
@@ -548,8 +645,12 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
     """``torch.nn.functional.rms_norm`` through cupyln's kernels (``eps=None``: the machine
     epsilon of x's dtype, as torch). ``weight_offset=1.0``: Gemma's ``(1 + weight)``."""
     _tensors(x=x, weight=weight)
-    return _call(_rms_fwd, _RMSNorm, x, weight, _shape(normalized_shape), _eps(eps, x),
-                 deterministic, float(weight_offset))
+    shape = _shape(normalized_shape)
+    if _native_takes(x, weight):
+        return _NATIVE.norm(x, weight, None, shape, _eps(eps, x), False, float(weight_offset),
+                            deterministic)
+    return _call(_rms_fwd, _RMSNorm, x, weight, shape, _eps(eps, x), deterministic,
+                 float(weight_offset))
 
 
 def _eps(eps, x):
@@ -599,6 +700,9 @@ class LayerNorm(torch.nn.LayerNorm):
         self.deterministic = deterministic
 
     def forward(self, x):
+        if _native_takes(x, self.weight, self.bias):
+            return _NATIVE.norm(x, self.weight, self.bias, self.normalized_shape, self.eps, True,
+                                0.0, self.deterministic)
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
                           deterministic=self.deterministic)
 
@@ -621,6 +725,9 @@ class RMSNorm(torch.nn.RMSNorm):
             torch.nn.init.constant_(self.weight, 1.0 - getattr(self, "weight_offset", 0.0))
 
     def forward(self, x):
+        if _native_takes(x, self.weight):
+            return _NATIVE.norm(x, self.weight, None, self.normalized_shape, _eps(self.eps, x),
+                                False, self.weight_offset, self.deterministic)
         return rms_norm(x, self.normalized_shape, self.weight, self.eps,
                         weight_offset=self.weight_offset, deterministic=self.deterministic)
 

@@ -1,0 +1,384 @@
+// cupyln.torch's C++ layer: LayerNorm and RMSNorm as C++ autograd functions on CUDA tensors, so
+// that a module call costs the host what torch's own norm does (no Python autograd node, no
+// Python on the backward's thread). It runs the prepared passes that cupyln's Python layer made
+// (cupyln/_recipe.py: checks, scratch and launches as data) through the driver's launch call;
+// a call whose recipe is unknown, whose pointers do not suit it, or whose stream is being
+// captured into a CUDA graph asks the Python layer, which runs the call and hands back the
+// recipe for the next ones. Built on first use by torch.utils.cpp_extension; no CUDA headers.
+
+#include <torch/extension.h>
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <dlfcn.h>
+
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <mutex>
+#include <unordered_map>
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// ---------------------------------------------------------------------------- the driver
+
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         unsigned, void*, void**, void**);
+using CoopFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                       unsigned, void*, void**);
+using CapturingFn = int (*)(void*, int*);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  CoopFn coop = nullptr;
+  CapturingFn capturing = nullptr;
+  Driver() {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(h, "cupyln: libcuda.so.1 could not be opened");
+    launch = reinterpret_cast<LaunchFn>(dlsym(h, "cuLaunchKernel"));
+    coop = reinterpret_cast<CoopFn>(dlsym(h, "cuLaunchCooperativeKernel"));
+    capturing = reinterpret_cast<CapturingFn>(dlsym(h, "cuStreamIsCapturing"));
+    TORCH_CHECK(launch && coop && capturing, "cupyln: the CUDA driver lacks a launch call");
+  }
+};
+
+Driver& driver() {
+  static Driver d;
+  return d;
+}
+
+void* current_stream(const c10::Device& dev) {
+  auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStreamNativeHandle(impl->getStream(dev));
+}
+
+// ---------------------------------------------------------------------------- recipes
+
+struct Slot {  // one entry of a call's table: integers and pointers in i, floats in d
+  int64_t i = 0;
+  double d = 0.0;
+};
+
+struct Launch {
+  void* fn;
+  unsigned grid[3], block[3], smem;
+  bool coop;
+  std::string kinds;  // p pointer, i int64, f float32, d float64 (cupyln/_driver.py)
+  std::vector<int> idx;
+  std::vector<size_t> offs;  // each argument's byte offset in the C layout
+  size_t bytes;
+};
+
+struct Recipe {
+  int nptrs;
+  std::vector<std::pair<int, int64_t>> checks;
+  std::vector<std::pair<int, int>> same16;
+  std::vector<int64_t> scratch, zeroed;
+  std::vector<Slot> consts;
+  int64_t scratch_bytes, zeroed_bytes;
+  std::vector<Launch> launches;
+};
+
+size_t size_of(char k) { return k == 'f' ? 4 : 8; }
+
+Recipe to_recipe(const py::tuple& t) {
+  Recipe r;
+  r.nptrs = t[0].cast<int>();
+  r.checks = t[1].cast<std::vector<std::pair<int, int64_t>>>();
+  r.same16 = t[2].cast<std::vector<std::pair<int, int>>>();
+  r.scratch = t[3].cast<std::vector<int64_t>>();
+  r.zeroed = t[4].cast<std::vector<int64_t>>();
+  for (auto v : t[5].cast<py::list>()) {
+    Slot s;
+    if (py::isinstance<py::float_>(v)) s.d = v.cast<double>(); else s.i = v.cast<int64_t>();
+    r.consts.push_back(s);
+  }
+  r.scratch_bytes = t[6].cast<int64_t>();
+  r.zeroed_bytes = t[7].cast<int64_t>();
+  for (auto item : t[8].cast<py::list>()) {
+    auto l = item.cast<py::tuple>();
+    Launch L;
+    L.fn = reinterpret_cast<void*>(l[0].cast<uintptr_t>());
+    auto grid = l[1].cast<std::vector<unsigned>>(), block = l[2].cast<std::vector<unsigned>>();
+    for (int k = 0; k < 3; ++k) {
+      L.grid[k] = grid[k];
+      L.block[k] = block[k];
+    }
+    L.smem = l[3].cast<unsigned>();
+    L.coop = l[4].cast<bool>();
+    L.kinds = l[5].cast<std::string>();
+    L.idx = l[6].cast<std::vector<int>>();
+    TORCH_CHECK(L.kinds.size() == L.idx.size() && L.kinds.size() <= 32,
+                "cupyln: a recipe's launch does not match its kinds");
+    size_t off = 0;
+    for (char k : L.kinds) {
+      size_t n = size_of(k);
+      off = (off + n - 1) / n * n;
+      L.offs.push_back(off);
+      off += n;
+    }
+    L.bytes = off;
+    r.launches.push_back(std::move(L));
+  }
+  return r;
+}
+
+// The zeroed memory of each (device, stream): ticket counters and atomic sums, which the
+// kernels leave zeroed again, so launches in one stream's order share it.
+std::mutex zeroed_lock;
+std::map<std::pair<int, void*>, at::Tensor> zeroed_memory;
+
+int64_t zeroed_at(void* stream, int64_t bytes, const at::Tensor& like) {
+  std::lock_guard<std::mutex> g(zeroed_lock);
+  auto& t = zeroed_memory[{like.get_device(), stream}];
+  if (!t.defined() || t.numel() < bytes) {
+    t = at::zeros({std::max<int64_t>(bytes, 1 << 16)}, like.options().dtype(at::kByte));
+  }
+  return reinterpret_cast<int64_t>(t.data_ptr());
+}
+
+// Runs ``r`` on ``ptrs`` (the pass's pointers, 0 for none); false (nothing launched) where the
+// pointers do not suit it or the stream is being captured.
+bool run(const Recipe& r, const std::vector<int64_t>& ptrs, const at::Tensor& like,
+         void* stream) {
+  for (auto& c : r.checks)
+    if (ptrs[c.first] & c.second) return false;
+  for (auto& s : r.same16)
+    if (ptrs[s.second] && ((ptrs[s.first] ^ ptrs[s.second]) & 15)) return false;
+  auto& drv = driver();
+  int capturing = 0;
+  if (drv.capturing(stream, &capturing) != 0 || capturing != 0) return false;
+  at::Tensor scratch;
+  int64_t base = 0, zero = 0;
+  if (r.scratch_bytes) {
+    scratch = at::empty({r.scratch_bytes}, like.options().dtype(at::kByte));
+    base = reinterpret_cast<int64_t>(scratch.data_ptr());
+  }
+  if (r.zeroed_bytes) zero = zeroed_at(stream, r.zeroed_bytes, like);
+  std::vector<Slot> table(ptrs.size() + r.scratch.size() + r.zeroed.size() + r.consts.size());
+  size_t n = 0;
+  for (auto p : ptrs) table[n++].i = p;
+  for (auto o : r.scratch) table[n++].i = base + o;
+  for (auto o : r.zeroed) table[n++].i = zero + o;
+  for (auto& c : r.consts) table[n++] = c;
+  alignas(8) unsigned char buf[32 * 8];
+  void* params[32];
+  for (auto& L : r.launches) {
+    for (size_t a = 0; a < L.idx.size(); ++a) {
+      const Slot& s = table[L.idx[a]];
+      unsigned char* at = buf + L.offs[a];
+      switch (L.kinds[a]) {
+        case 'f': {
+          float f = static_cast<float>(s.d);
+          std::memcpy(at, &f, 4);
+          break;
+        }
+        case 'd':
+          std::memcpy(at, &s.d, 8);
+          break;
+        default:
+          std::memcpy(at, &s.i, 8);
+      }
+      params[a] = at;
+    }
+    int err = L.coop ? drv.coop(L.fn, L.grid[0], L.grid[1], L.grid[2], L.block[0], L.block[1],
+                                L.block[2], L.smem, stream, params)
+                     : drv.launch(L.fn, L.grid[0], L.grid[1], L.grid[2], L.block[0],
+                                  L.block[1], L.block[2], L.smem, stream, params, nullptr);
+    TORCH_CHECK(err == 0, "cupyln: kernel launch failed with CUDA error ", err, " (grid (",
+                L.grid[0], ", ", L.grid[1], ", ", L.grid[2], "), block (", L.block[0], ", ",
+                L.block[1], ", ", L.block[2], "), ", L.smem, " bytes of shared memory)");
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------- the registry
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const {
+    size_t h = 1469598103934665603ull;
+    for (auto v : k) h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
+    return h;
+  }
+};
+
+constexpr size_t kMaxRecipes = 4096;  // signatures kept; past that the table starts over
+std::mutex registry_lock;
+std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Recipe>, KeyHash> registry;
+
+void add_tensor(std::vector<int64_t>& k, const at::Tensor& t) {
+  if (!t.defined()) {
+    k.push_back(-1);
+    return;
+  }
+  k.push_back(static_cast<int64_t>(t.scalar_type()));
+  k.push_back(t.get_device());
+  k.push_back(t.dim());
+  for (auto s : t.sizes()) k.push_back(s);
+  for (auto s : t.strides()) k.push_back(s);
+}
+
+void add_tensors(std::vector<int64_t>& k, std::initializer_list<const at::Tensor*> ts) {
+  for (auto* t : ts) add_tensor(k, *t);
+}
+
+int64_t bits(double v) {
+  int64_t b;
+  std::memcpy(&b, &v, 8);
+  return b;
+}
+
+std::shared_ptr<const Recipe> find(const std::vector<int64_t>& key) {
+  std::lock_guard<std::mutex> g(registry_lock);
+  auto it = registry.find(key);
+  return it == registry.end() ? nullptr : it->second;
+}
+
+void keep(const std::vector<int64_t>& key, const py::object& recipe) {
+  if (recipe.is_none()) return;
+  auto r = std::make_shared<const Recipe>(to_recipe(recipe.cast<py::tuple>()));
+  std::lock_guard<std::mutex> g(registry_lock);
+  if (registry.size() >= kMaxRecipes) registry.clear();
+  registry[key] = std::move(r);
+}
+
+std::vector<int64_t> ptrs_of(std::initializer_list<const at::Tensor*> ts) {
+  std::vector<int64_t> p;
+  for (auto* t : ts)
+    p.push_back(t && t->defined() ? reinterpret_cast<int64_t>(t->data_ptr()) : 0);
+  return p;
+}
+
+// The Python layer's calls for what this layer does not run itself (set by cupyln.torch).
+py::object* py_forward = nullptr;
+py::object* py_backward = nullptr;
+
+at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+// ---------------------------------------------------------------------------- the passes
+
+// y and the statistics of ``x`` (into new tensors); mean undefined for RMSNorm.
+std::vector<at::Tensor> forward_pass(const at::Tensor& x, const at::Tensor& w,
+                                     const at::Tensor& b, int64_t k, double eps, bool is_ln,
+                                     double woff) {
+  c10::DeviceGuard guard(x.device());
+  auto lead = x.sizes().slice(0, x.dim() - k);  // k checked by norm()
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto stat = x.options().dtype(at::kFloat);
+  at::Tensor mean = is_ln ? at::empty(lead, stat) : at::Tensor(), rstd = at::empty(lead, stat);
+  std::vector<int64_t> key{is_ln ? 1 : 2, k, bits(eps), bits(woff)};
+  add_tensors(key, {&x, &w, &b});
+  auto recipe = find(key);
+  auto ptrs = ptrs_of({&x, &w, &b, nullptr, &y, &mean, &rstd, nullptr});
+  if (!recipe || !run(*recipe, ptrs, x, current_stream(x.device()))) {
+    py::gil_scoped_acquire gil;
+    keep(key, (*py_forward)(is_ln, x, w, b, y, mean, rstd, k, eps, woff));  // k axes
+  }
+  return {y, mean, rstd};
+}
+
+at::Tensor param_like(const at::Tensor& w, const at::Tensor& x, int64_t k) {
+  if (w.defined()) return at::empty_like(w, at::MemoryFormat::Contiguous);
+  return at::empty(x.sizes().slice(x.dim() - k), x.options());
+}
+
+struct Norm : public torch::autograd::Function<Norm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const c10::optional<at::Tensor>& weight,
+                            const c10::optional<at::Tensor>& bias, int64_t k, double eps,
+                            bool is_ln, double woff, bool deterministic) {
+    at::Tensor w = opt(weight), b = opt(bias);
+    auto out = forward_pass(x, w, b, k, eps, is_ln, woff);
+    ctx->save_for_backward({x, w, out[1], out[2]});
+    ctx->saved_data["k"] = k;
+    ctx->saved_data["is_ln"] = is_ln;
+    ctx->saved_data["woff"] = woff;
+    ctx->saved_data["det"] = deterministic;
+    ctx->saved_data["has_bias"] = b.defined();
+    return out[0];
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
+    int64_t k = ctx->saved_data["k"].toInt();
+    bool is_ln = ctx->saved_data["is_ln"].toBool();
+    double woff = ctx->saved_data["woff"].toDouble();
+    bool det = ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
+    bool need_dx = ctx->needs_input_grad(0);
+    bool need_dw = ctx->needs_input_grad(1) && w.defined();
+    bool need_db = is_ln && ctx->needs_input_grad(2) && ctx->saved_data["has_bias"].toBool();
+    at::Tensor dy = grads[0];
+    if (!(need_dx || need_dw || need_db)) return {at::Tensor(), at::Tensor(), at::Tensor(),
+                                                 at::Tensor(), at::Tensor(), at::Tensor(),
+                                                 at::Tensor(), at::Tensor()};
+    c10::DeviceGuard guard(x.device());
+    at::Tensor dx = need_dx ? at::empty(x.sizes(), x.options().memory_format(
+                                            at::MemoryFormat::Contiguous))
+                            : at::Tensor();
+    at::Tensor dw = need_dw ? param_like(w, x, k) : at::Tensor();
+    at::Tensor db = need_db ? param_like(w, x, k) : at::Tensor();
+    std::vector<int64_t> key{is_ln ? 3 : 4, need_dx, need_dw, need_db, det, bits(woff)};
+    add_tensors(key, {&dy, &x, &w, &mean, &rstd});
+    auto recipe = find(key);
+    auto ptrs = ptrs_of({&dy, &x, &w, &mean, &rstd, nullptr, &dx, &dw, &db});
+    if (!recipe || !run(*recipe, ptrs, x, current_stream(x.device()))) {
+      py::gil_scoped_acquire gil;
+      keep(key, (*py_backward)(is_ln, dy, x, w, mean, rstd, dx, dw, db, det, woff));
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::string as_tuple(c10::IntArrayRef v) {  // Python's way: (8,) or (4, 8)
+  std::ostringstream m;
+  m << "(";
+  for (size_t i = 0; i < v.size(); ++i) m << (i ? ", " : "") << v[i];
+  m << (v.size() == 1 ? ",)" : ")");
+  return m.str();
+}
+
+at::Tensor norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                const c10::optional<at::Tensor>& bias, std::vector<int64_t> shape, double eps,
+                bool is_ln, double woff, bool deterministic) {
+  int64_t k = static_cast<int64_t>(shape.size());
+  bool fits = k >= 1 && k <= x.dim();
+  for (int64_t i = 0; fits && i < k; ++i) fits = x.size(x.dim() - k + i) == shape[i];
+  if (!fits) {  // as the Python layer's message (cupyln/api.py)
+    std::ostringstream m;
+    m << "normalized_shape has shape " << as_tuple(shape) << " but x has shape "
+      << as_tuple(x.sizes()) << ": the trailing axes of x must equal the normalized shape";
+    throw py::value_error(m.str());
+  }
+  return Norm::apply(x, weight, bias, k, eps, is_ln, woff, deterministic);
+}
+
+void set_python(py::object fwd, py::object bwd) {
+  delete py_forward;
+  delete py_backward;
+  py_forward = new py::object(std::move(fwd));
+  py_backward = new py::object(std::move(bwd));
+}
+
+void clear() {
+  std::lock_guard<std::mutex> g(registry_lock);
+  registry.clear();
+}
+
+size_t size() {
+  std::lock_guard<std::mutex> g(registry_lock);
+  return registry.size();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("norm", &norm, "LayerNorm (is_ln) or RMSNorm of x over its last k axes, differentiable");
+  m.def("set_python", &set_python, "the Python layer's forward and backward calls");
+  m.def("clear", &clear, "forget every recipe");
+  m.def("size", &size, "recipes kept");
+}

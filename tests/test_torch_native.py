@@ -1,0 +1,176 @@
+"""cupyln.torch's C++ layer against its Python layer: the same bits, the recipes it keeps, the
+calls it hands back (misaligned pointers, graph capture, unknown signatures), and the Python
+layer where the C++ one cannot be built."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ct = pytest.importorskip("cupyln.torch")
+
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def native():
+    """The built C++ layer (its build awaited here)."""
+    if ct._native_wait() is None:
+        pytest.fail(f"the C++ layer did not build: {ct._NATIVE_BUILD.get('error')}")
+    return ct._NATIVE
+
+
+def _python_layer(fn):
+    """``fn()`` with the C++ layer switched off."""
+    kept = ct._NATIVE
+    ct._NATIVE = None
+    try:
+        return fn()
+    finally:
+        ct._NATIVE = kept
+
+
+def _run(module, x, dy):
+    x = x.detach().requires_grad_()
+    y = module(x)
+    y.backward(dy)
+    return [y, x.grad] + [p.grad.clone() for p in module.parameters()]
+
+
+CASES = [  # module, x shape, x dtype, parameter dtype
+    (lambda d, t: ct.LayerNorm(d, deterministic=True, dtype=t), (4, 7, 512), torch.float16,
+     torch.float16),
+    (lambda d, t: ct.LayerNorm(d, deterministic=True, dtype=t), (33, 1000), torch.bfloat16,
+     torch.float32),
+    (lambda d, t: ct.LayerNorm(d, bias=False, deterministic=True, dtype=t), (64, 4096),
+     torch.float32, torch.float32),
+    (lambda d, t: ct.RMSNorm(d, deterministic=True, dtype=t), (2, 9, 768), torch.bfloat16,
+     torch.bfloat16),
+    (lambda d, t: ct.RMSNorm(d, weight_offset=1.0, deterministic=True, dtype=t), (5, 40000),
+     torch.float16, torch.float32),
+    (lambda d, t: ct.LayerNorm(d, elementwise_affine=False, dtype=t), (8, 3583),
+     torch.bfloat16, torch.float32),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cpp_layer_gives_the_python_layers_bits(native, case):
+    make, shape, dt, wdt = CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(case)
+    x = torch.randn(shape, device="cuda", generator=g).to(dt)
+    dy = torch.randn(shape, device="cuda", generator=g).to(dt)
+    module = make(shape[-1], wdt).cuda()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, device="cuda", generator=g))
+    want = _python_layer(lambda: _run(module, x, dy))
+    module.zero_grad()
+    for _ in range(2):  # the first call hands the recipe over, the second runs it
+        module.zero_grad()
+        got = _run(module, x, dy)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_known_signatures_stay_in_cpp(native):
+    calls = []
+
+    def counted(f):
+        def wrapped(*a):
+            calls.append(f.__name__)
+            return f(*a)
+        wrapped.__name__ = f.__name__
+        return wrapped
+
+    native.set_python(counted(ct._native_forward), counted(ct._native_backward))
+    try:
+        m = ct.RMSNorm(256).cuda().half()
+        x = torch.randn(16, 256, device="cuda", dtype=torch.half, requires_grad=True)
+        for _ in range(3):
+            m(x).sum().backward()
+        assert calls == ["_native_forward", "_native_backward"]
+        xs = torch.randn(17, 256, device="cuda", dtype=torch.half)  # another signature
+        m(xs)
+        assert calls[-1] == "_native_forward" and len(calls) == 3
+    finally:
+        native.set_python(ct._native_forward, ct._native_backward)
+
+
+@gpu
+def test_pointers_that_do_not_suit_the_recipe_go_to_the_python_layer(native):
+    """x one element past an aligned start: the recipe's vectors do not fit, the Python layer
+    runs the call (its narrower plan), and the answer is right."""
+    m = ct.LayerNorm(1024).cuda()
+    base = torch.randn(8 * 1024 + 1, device="cuda")
+    aligned, shifted = base[:8192].view(8, 1024), base[1:].view(8, 1024)
+    m(aligned)  # the recipe of this signature (16-byte vectors)
+    got = m(shifted)
+    want = torch.nn.functional.layer_norm(shifted, (1024,), m.weight, m.bias)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@gpu
+def test_graph_capture_takes_the_python_layer(native):
+    m = ct.LayerNorm(512).cuda().half()
+    x = torch.randn(32, 512, device="cuda", dtype=torch.half, requires_grad=True)
+    for _ in range(2):
+        m(x).sum().backward()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        m.zero_grad(set_to_none=False)
+        with torch.cuda.graph(graph):
+            y = m(x)
+            y.sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    m.weight.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.nn.LayerNorm(512).cuda().half()
+    xr = x.detach().clone().requires_grad_()
+    yr = ref(xr)
+    yr.sum().backward()
+    assert torch.allclose(y, yr, atol=2e-3) and torch.allclose(m.weight.grad, ref.weight.grad,
+                                                               atol=0.1)
+
+
+@gpu
+def test_a_normalized_shape_that_does_not_fit_is_a_value_error(native):
+    x = torch.randn(4, 8, 16, device="cuda")
+    ct.layer_norm(x, (8, 16))
+    with pytest.raises(ValueError, match=r"normalized_shape has shape \(4, 32\) but x has "
+                                         r"shape \(4, 8, 16\)"):
+        ct.layer_norm(x, (4, 32))
+
+
+def test_without_a_compiler_the_python_layer_runs(monkeypatch):
+    """A build that fails warns once and leaves the Python layer (CPU tensors here)."""
+    import torch.utils.cpp_extension as ext
+
+    def fail(*a, **kw):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(ext, "load_inline", fail)
+    monkeypatch.setattr(ct, "_NATIVE", None)
+    monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
+    with pytest.warns(RuntimeWarning, match=r"the C\+\+ layer could not be built.*no compiler"):
+        ct._build_native()
+    assert ct._NATIVE is None and ct._NATIVE_BUILD["error"] == "RuntimeError: no compiler"
+    x = torch.randn(3, 16, requires_grad=True)
+    y = ct.LayerNorm(16)(x)
+    y.sum().backward()
+    assert torch.allclose(y, torch.nn.functional.layer_norm(x, (16,)), atol=1e-5)
+
+
+def test_native_off_by_environment(monkeypatch):
+    monkeypatch.setenv("CUPYLN_TORCH_NATIVE", "0")
+    monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ct._start_native()
+    assert ct._NATIVE_BUILD == {"error": "off"}
