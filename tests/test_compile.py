@@ -143,6 +143,7 @@ def test_wheel_ships_kernel_sources(tmp_path):
     for f in (*_compile.HEADERS, *_compile.SOURCES):
         assert f"cupyln/kernels/{f}" in names
     assert "cupyln/py.typed" in names and "cupyln/docs/api.md" in names  # help(cupyln) names it
+    assert "cupyln/_torch_native.cpp" in names  # cupyln.torch builds it
 
 
 def test_the_kernel_folder_is_no_importable_package():
