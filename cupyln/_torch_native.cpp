@@ -261,24 +261,31 @@ at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t :
 
 // ---------------------------------------------------------------------------- the passes
 
-// y and the statistics of ``x`` (into new tensors); mean undefined for RMSNorm.
+// y, the statistics (mean undefined for RMSNorm) and, with a residual, h = x + residual (in
+// ``hdtype``), into new tensors.
 std::vector<at::Tensor> forward_pass(const at::Tensor& x, const at::Tensor& w,
-                                     const at::Tensor& b, int64_t k, double eps, bool is_ln,
-                                     double woff) {
+                                     const at::Tensor& b, const at::Tensor& r, int64_t k,
+                                     double eps, bool is_ln, double woff,
+                                     c10::optional<at::ScalarType> hdtype) {
   c10::DeviceGuard guard(x.device());
-  auto lead = x.sizes().slice(0, x.dim() - k);  // k checked by norm()
-  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  auto lead = x.sizes().slice(0, x.dim() - k);  // k checked by fits()
+  auto dense = x.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor y = at::empty(x.sizes(), dense);
   auto stat = x.options().dtype(at::kFloat);
   at::Tensor mean = is_ln ? at::empty(lead, stat) : at::Tensor(), rstd = at::empty(lead, stat);
-  std::vector<int64_t> key{is_ln ? 1 : 2, k, bits(eps), bits(woff)};
-  add_tensors(key, {&x, &w, &b});
+  at::Tensor h = r.defined() ? at::empty(x.sizes(), dense.dtype(hdtype.value_or(
+                                                        x.scalar_type())))
+                             : at::Tensor();
+  std::vector<int64_t> key{is_ln ? 1 : 2, k, bits(eps), bits(woff),
+                           hdtype ? static_cast<int64_t>(*hdtype) : -1};
+  add_tensors(key, {&x, &w, &b, &r});
   auto recipe = find(key);
-  auto ptrs = ptrs_of({&x, &w, &b, nullptr, &y, &mean, &rstd, nullptr});
-  if (!recipe || !run(*recipe, ptrs, x, current_stream(x.device()))) {
+  if (!recipe || !run(*recipe, ptrs_of({&x, &w, &b, &r, &y, &mean, &rstd, &h}), x,
+                      current_stream(x.device()))) {
     py::gil_scoped_acquire gil;
-    keep(key, (*py_forward)(is_ln, x, w, b, y, mean, rstd, k, eps, woff));  // k axes
+    keep(key, (*py_forward)(is_ln, x, w, b, r, y, mean, rstd, h, k, eps, woff, hdtype));
   }
-  return {y, mean, rstd};
+  return {y, mean, rstd, h};
 }
 
 at::Tensor param_like(const at::Tensor& w, const at::Tensor& x, int64_t k) {
@@ -286,51 +293,122 @@ at::Tensor param_like(const at::Tensor& w, const at::Tensor& x, int64_t k) {
   return at::empty(x.sizes().slice(x.dim() - k), x.options());
 }
 
+// dx (with dresidual added), dgamma, dbeta where asked; undefined elsewhere.
+std::vector<at::Tensor> backward_pass(const at::Tensor& dy, const at::Tensor& x,
+                                      const at::Tensor& w, const at::Tensor& mean,
+                                      const at::Tensor& rstd, const at::Tensor& dres, int64_t k,
+                                      bool is_ln, double woff, bool det, bool need_dx,
+                                      bool need_dw, bool need_db) {
+  if (!(need_dx || need_dw || need_db)) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  c10::DeviceGuard guard(x.device());
+  at::Tensor dx = need_dx ? at::empty(x.sizes(), x.options().memory_format(
+                                          at::MemoryFormat::Contiguous))
+                          : at::Tensor();
+  at::Tensor dw = need_dw ? param_like(w, x, k) : at::Tensor();
+  at::Tensor db = need_db ? param_like(w, x, k) : at::Tensor();
+  std::vector<int64_t> key{is_ln ? 3 : 4, need_dx, need_dw, need_db, det, bits(woff)};
+  add_tensors(key, {&dy, &x, &w, &mean, &rstd, &dres});
+  auto recipe = find(key);
+  if (!recipe || !run(*recipe, ptrs_of({&dy, &x, &w, &mean, &rstd, &dres, &dx, &dw, &db}), x,
+                      current_stream(x.device()))) {
+    py::gil_scoped_acquire gil;
+    keep(key, (*py_backward)(is_ln, dy, x, w, mean, rstd, dres, dx, dw, db, det, woff));
+  }
+  return {dx, dw, db};
+}
+
+bool deterministic(AutogradContext* ctx) {
+  return ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
+}
+
+// The autograd edge of each tensor input (an absent optional has none), -1 for none.
+std::vector<int> edges(std::initializer_list<bool> present) {
+  std::vector<int> e;
+  int n = 0;
+  for (bool p : present) e.push_back(p ? n++ : -1);
+  return e;
+}
+
+bool needs(AutogradContext* ctx, int edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
+
+void save_flags(AutogradContext* ctx, int64_t k, bool is_ln, double woff, bool det,
+                const at::Tensor& w, const at::Tensor& b) {
+  ctx->saved_data["k"] = k;
+  ctx->saved_data["is_ln"] = is_ln;
+  ctx->saved_data["woff"] = woff;
+  ctx->saved_data["det"] = det;
+  ctx->saved_data["has_w"] = w.defined();
+  ctx->saved_data["has_b"] = b.defined();
+}
+
 struct Norm : public torch::autograd::Function<Norm> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const c10::optional<at::Tensor>& weight,
                             const c10::optional<at::Tensor>& bias, int64_t k, double eps,
-                            bool is_ln, double woff, bool deterministic) {
+                            bool is_ln, double woff, bool det) {
     at::Tensor w = opt(weight), b = opt(bias);
-    auto out = forward_pass(x, w, b, k, eps, is_ln, woff);
+    auto out = forward_pass(x, w, b, at::Tensor(), k, eps, is_ln, woff, c10::nullopt);
     ctx->save_for_backward({x, w, out[1], out[2]});
-    ctx->saved_data["k"] = k;
-    ctx->saved_data["is_ln"] = is_ln;
-    ctx->saved_data["woff"] = woff;
-    ctx->saved_data["det"] = deterministic;
-    ctx->saved_data["has_bias"] = b.defined();
+    save_flags(ctx, k, is_ln, woff, det, w, b);
     return out[0];
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1], &mean = saved[2], &rstd = saved[3];
-    int64_t k = ctx->saved_data["k"].toInt();
     bool is_ln = ctx->saved_data["is_ln"].toBool();
-    double woff = ctx->saved_data["woff"].toDouble();
-    bool det = ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
-    bool need_dx = ctx->needs_input_grad(0);
-    bool need_dw = ctx->needs_input_grad(1) && w.defined();
-    bool need_db = is_ln && ctx->needs_input_grad(2) && ctx->saved_data["has_bias"].toBool();
-    at::Tensor dy = grads[0];
-    if (!(need_dx || need_dw || need_db)) return {at::Tensor(), at::Tensor(), at::Tensor(),
-                                                 at::Tensor(), at::Tensor(), at::Tensor(),
-                                                 at::Tensor(), at::Tensor()};
-    c10::DeviceGuard guard(x.device());
-    at::Tensor dx = need_dx ? at::empty(x.sizes(), x.options().memory_format(
-                                            at::MemoryFormat::Contiguous))
-                            : at::Tensor();
-    at::Tensor dw = need_dw ? param_like(w, x, k) : at::Tensor();
-    at::Tensor db = need_db ? param_like(w, x, k) : at::Tensor();
-    std::vector<int64_t> key{is_ln ? 3 : 4, need_dx, need_dw, need_db, det, bits(woff)};
-    add_tensors(key, {&dy, &x, &w, &mean, &rstd});
-    auto recipe = find(key);
-    auto ptrs = ptrs_of({&dy, &x, &w, &mean, &rstd, nullptr, &dx, &dw, &db});
-    if (!recipe || !run(*recipe, ptrs, x, current_stream(x.device()))) {
-      py::gil_scoped_acquire gil;
-      keep(key, (*py_backward)(is_ln, dy, x, w, mean, rstd, dx, dw, db, det, woff));
-    }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto e = edges({true, ctx->saved_data["has_w"].toBool(), ctx->saved_data["has_b"].toBool()});
+    auto g = backward_pass(grads[0], saved[0], saved[1], saved[2], saved[3], at::Tensor(),
+                           ctx->saved_data["k"].toInt(), is_ln,
+                           ctx->saved_data["woff"].toDouble(), deterministic(ctx),
+                           needs(ctx, e[0]), needs(ctx, e[1]), is_ln && needs(ctx, e[2]));
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// The fused residual add: (y, h) of h = x + residual, both differentiable; x's and residual's
+// gradients are dx of the norm of h plus h's own gradient, each in its input's dtype.
+struct AddNorm : public torch::autograd::Function<AddNorm> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& r,
+                               const c10::optional<at::Tensor>& weight,
+                               const c10::optional<at::Tensor>& bias, int64_t k, double eps,
+                               bool is_ln, double woff, c10::optional<at::ScalarType> hdtype,
+                               bool det) {
+    at::Tensor w = opt(weight), b = opt(bias);
+    auto out = forward_pass(x, w, b, r, k, eps, is_ln, woff, hdtype);
+    ctx->save_for_backward({out[3], w, out[1], out[2]});
+    save_flags(ctx, k, is_ln, woff, det, w, b);
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["r_dtype"] = r.scalar_type();
+    return {out[0], out[3]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &h = saved[0], &weight = saved[1];
+    bool is_ln = ctx->saved_data["is_ln"].toBool();
+    auto e = edges({true, true, ctx->saved_data["has_w"].toBool(),
+                    ctx->saved_data["has_b"].toBool()});
+    bool need_x = needs(ctx, e[0]), need_r = needs(ctx, e[1]), need_h = need_x || need_r;
+    bool need_w = needs(ctx, e[2]), need_b = is_ln && needs(ctx, e[3]);
+    at::Tensor dy = grads[0].to(h.scalar_type());  // dy in h's dtype: the backward's rule
+    // parameters in h's dtype or float32 (16-bit weights of a float32 h: widened)
+    at::Tensor w = !weight.defined() || weight.scalar_type() == h.scalar_type() ||
+                           weight.scalar_type() == at::kFloat
+                       ? weight
+                       : weight.to(at::kFloat);
+    auto g = backward_pass(dy, h, w, saved[2], saved[3], need_h ? grads[1] : at::Tensor(),
+                           ctx->saved_data["k"].toInt(), is_ln,
+                           ctx->saved_data["woff"].toDouble(), deterministic(ctx), need_h,
+                           need_w, need_b);
+    auto pdt = weight.defined() ? weight.scalar_type() : h.scalar_type();
+    auto as = [](const at::Tensor& t, bool need, at::ScalarType d) {
+      return need ? t.to(d) : at::Tensor();
+    };
+    return {as(g[0], need_x, ctx->saved_data["x_dtype"].toScalarType()),
+            as(g[0], need_r, ctx->saved_data["r_dtype"].toScalarType()),
+            as(g[1], need_w, pdt), as(g[2], need_b, pdt), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -342,19 +420,34 @@ std::string as_tuple(c10::IntArrayRef v) {  // Python's way: (8,) or (4, 8)
   return m.str();
 }
 
-at::Tensor norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                const c10::optional<at::Tensor>& bias, std::vector<int64_t> shape, double eps,
-                bool is_ln, double woff, bool deterministic) {
+// The number of normalized axes; a ValueError as the Python layer's (cupyln/api.py) where x
+// does not end in ``shape``.
+int64_t fits(const at::Tensor& x, const std::vector<int64_t>& shape) {
   int64_t k = static_cast<int64_t>(shape.size());
-  bool fits = k >= 1 && k <= x.dim();
-  for (int64_t i = 0; fits && i < k; ++i) fits = x.size(x.dim() - k + i) == shape[i];
-  if (!fits) {  // as the Python layer's message (cupyln/api.py)
+  bool ok = k >= 1 && k <= x.dim();
+  for (int64_t i = 0; ok && i < k; ++i) ok = x.size(x.dim() - k + i) == shape[i];
+  if (!ok) {
     std::ostringstream m;
     m << "normalized_shape has shape " << as_tuple(shape) << " but x has shape "
       << as_tuple(x.sizes()) << ": the trailing axes of x must equal the normalized shape";
     throw py::value_error(m.str());
   }
-  return Norm::apply(x, weight, bias, k, eps, is_ln, woff, deterministic);
+  return k;
+}
+
+at::Tensor norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& shape,
+                double eps, bool is_ln, double woff, bool det) {
+  return Norm::apply(x, weight, bias, fits(x, shape), eps, is_ln, woff, det);
+}
+
+variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
+                       const c10::optional<at::Tensor>& weight,
+                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& shape,
+                       double eps, bool is_ln, double woff,
+                       c10::optional<at::ScalarType> hdtype, bool det) {
+  return AddNorm::apply(x, residual, weight, bias, fits(x, shape), eps, is_ln, woff, hdtype,
+                        det);
 }
 
 void set_python(py::object fwd, py::object bwd) {
@@ -377,7 +470,8 @@ size_t size() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("norm", &norm, "LayerNorm (is_ln) or RMSNorm of x over its last k axes, differentiable");
+  m.def("norm", &norm, "LayerNorm (is_ln) or RMSNorm of x over its trailing shape");
+  m.def("add_norm", &add_norm, "(y, h): the norm of h = x + residual, and h");
   m.def("set_python", &set_python, "the Python layer's forward and backward calls");
   m.def("clear", &clear, "forget every recipe");
   m.def("size", &size, "recipes kept");

@@ -209,21 +209,22 @@ _NATIVE = None  # the built extension
 _NATIVE_BUILD = {}  # "thread": the build's thread; "error": why it failed
 
 
-def _native_forward(is_ln, x, weight, bias, y, mean, rstd, k, eps, weight_offset):
+def _native_forward(is_ln, x, weight, bias, residual, y, mean, rstd, h, k, eps, weight_offset,
+                    residual_dtype):
     """The C++ layer's forward where it has no recipe: run here, the recipe handed back."""
-    out = (y, mean, rstd) if is_ln else (y, rstd)
-    hot = _fwd_into(out, x, weight, bias, None, x.shape[x.dim() - k:], eps, is_ln,
-                    weight_offset)
+    out = ((y, mean, rstd) if is_ln else (y, rstd)) + ((h,) if residual is not None else ())
+    hot = _fwd_into(out, x, weight, bias, residual, x.shape[x.dim() - k:], eps, is_ln,
+                    weight_offset, residual_dtype)
     return None if hot is None else hot.native()
 
 
-def _native_backward(is_ln, dy, x, weight, mean, rstd, dx, dweight, dbias, deterministic,
-                     weight_offset):
+def _native_backward(is_ln, dy, x, weight, mean, rstd, dresidual, dx, dweight, dbias,
+                     deterministic, weight_offset):
     """The C++ layer's backward where it has no recipe: run here, the recipe handed back."""
     need = (dx is not None, dweight is not None, dbias is not None)
     head = (("ln_bwd", *need) if is_ln else ("rms_bwd", *need[:2], False)) + (
         deterministic, weight_offset)
-    hot = _bwd(head, dy, x, weight, mean, rstd, None, (dx, dweight, dbias), weight_offset)
+    hot = _bwd(head, dy, x, weight, mean, rstd, dresidual, (dx, dweight, dbias), weight_offset)
     return None if hot is None else hot.native()
 
 
@@ -666,8 +667,12 @@ def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence
     ``(y, h)``, both differentiable; x's and residual's gradients come from one backward
     kernel."""
     _tensors(x=x, residual=residual, weight=weight, bias=bias)
-    return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, _shape(normalized_shape),
-                 float(eps), residual_dtype, float(weight_offset), deterministic)
+    shape = _shape(normalized_shape)
+    if _native_takes(x, residual, weight, bias):
+        return tuple(_NATIVE.add_norm(x, residual, weight, bias, shape, float(eps), True,
+                                      float(weight_offset), residual_dtype, deterministic))
+    return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, shape, float(eps),
+                 residual_dtype, float(weight_offset), deterministic)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[int],
@@ -676,8 +681,12 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
                  deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The fused residual add of :func:`add_layer_norm`, for RMSNorm. Returns ``(y, h)``."""
     _tensors(x=x, residual=residual, weight=weight)
-    return _call(_add_rms_fwd, _AddRMSNorm, x, residual, weight, _shape(normalized_shape),
-                 _eps(eps, x), residual_dtype, float(weight_offset), deterministic)
+    shape = _shape(normalized_shape)
+    if _native_takes(x, residual, weight):
+        return tuple(_NATIVE.add_norm(x, residual, weight, None, shape, _eps(eps, x), False,
+                                      float(weight_offset), residual_dtype, deterministic))
+    return _call(_add_rms_fwd, _AddRMSNorm, x, residual, weight, shape, _eps(eps, x),
+                 residual_dtype, float(weight_offset), deterministic)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -743,6 +752,10 @@ class FusedAddLayerNorm(LayerNorm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x, residual):
+        if _native_takes(x, residual, self.weight, self.bias):
+            return tuple(_NATIVE.add_norm(x, residual, self.weight, self.bias,
+                                          self.normalized_shape, self.eps, True, 0.0,
+                                          self.residual_dtype, self.deterministic))
         return add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias,
                               self.eps, residual_dtype=self.residual_dtype,
                               deterministic=self.deterministic)
@@ -758,6 +771,10 @@ class FusedAddRMSNorm(RMSNorm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x, residual):
+        if _native_takes(x, residual, self.weight):
+            return tuple(_NATIVE.add_norm(x, residual, self.weight, None, self.normalized_shape,
+                                          _eps(self.eps, x), False, self.weight_offset,
+                                          self.residual_dtype, self.deterministic))
         return add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps,
                             residual_dtype=self.residual_dtype,
                             weight_offset=self.weight_offset, deterministic=self.deterministic)

@@ -30,11 +30,16 @@ def _python_layer(fn):
         ct._NATIVE = kept
 
 
-def _run(module, x, dy):
+def _run(module, x, dy, r=None):
     x = x.detach().requires_grad_()
-    y = module(x)
-    y.backward(dy)
-    return [y, x.grad] + [p.grad.clone() for p in module.parameters()]
+    if r is None:
+        y = module(x)
+        y.backward(dy)
+        return [y, x.grad] + [p.grad.clone() for p in module.parameters()]
+    r = r.detach().requires_grad_()
+    y, h = module(x, r)
+    torch.autograd.backward((y, h), (dy, 0.5 * dy.to(h.dtype)))
+    return [y, h, x.grad, r.grad] + [p.grad.clone() for p in module.parameters()]
 
 
 CASES = [  # module, x shape, x dtype, parameter dtype
@@ -50,6 +55,12 @@ CASES = [  # module, x shape, x dtype, parameter dtype
      torch.float16, torch.float32),
     (lambda d, t: ct.LayerNorm(d, elementwise_affine=False, dtype=t), (8, 3583),
      torch.bfloat16, torch.float32),
+    (lambda d, t: ct.FusedAddLayerNorm(d, deterministic=True, dtype=t), (4, 7, 512),
+     torch.float16, torch.float16),
+    (lambda d, t: ct.FusedAddRMSNorm(d, residual_dtype=torch.float32, deterministic=True,
+                                     dtype=t), (2, 9, 3000), torch.bfloat16, torch.float32),
+    (lambda d, t: ct.FusedAddRMSNorm(d, weight_offset=1.0, deterministic=True, dtype=t),
+     (64, 2048), torch.bfloat16, torch.bfloat16),
 ]
 
 
@@ -64,11 +75,12 @@ def test_cpp_layer_gives_the_python_layers_bits(native, case):
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(1 + 0.2 * torch.randn(p.shape, device="cuda", generator=g))
-    want = _python_layer(lambda: _run(module, x, dy))
-    module.zero_grad()
+    r = torch.randn(shape, device="cuda", generator=g).to(dt) if "Add" in type(
+        module).__name__ else None
+    want = _python_layer(lambda: _run(module, x, dy, r))
     for _ in range(2):  # the first call hands the recipe over, the second runs it
         module.zero_grad()
-        got = _run(module, x, dy)
+        got = _run(module, x, dy, r)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a, b)
