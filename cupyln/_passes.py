@@ -17,10 +17,10 @@ import cupy as cp
 import numpy as np
 
 from . import _plan
-from ._recipe import Builder
 from ._config import DEFAULT
 from ._dtypes import ACC_DTYPES, FLOAT32, add_vec, kernel_param_dtype, param_dtype
 from ._layout import Extents, Layout, fill, flat, peelable, ptr, rows, vec_width
+from ._recipe import Builder
 
 _get_device, _current_stream = cp.cuda.runtime.getDevice, cp.cuda.get_current_stream
 _is_capturing = cp.cuda.runtime.streamIsCapturing
