@@ -317,6 +317,14 @@ std::vector<at::Tensor> backward_pass(const at::Tensor& dy, const at::Tensor& x,
   return {dx, dw, db};
 }
 
+// A gradient with a zero stride (the backward of a sum), which the Python layer would copy
+// anyway, made contiguous here so that its call keeps a recipe.
+at::Tensor dense(const at::Tensor& g) {
+  for (auto s : g.strides())
+    if (s == 0) return g.contiguous();
+  return g;
+}
+
 bool deterministic(AutogradContext* ctx) {
   return ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
 }
@@ -357,7 +365,8 @@ struct Norm : public torch::autograd::Function<Norm> {
     auto saved = ctx->get_saved_variables();
     bool is_ln = ctx->saved_data["is_ln"].toBool();
     auto e = edges({true, ctx->saved_data["has_w"].toBool(), ctx->saved_data["has_b"].toBool()});
-    auto g = backward_pass(grads[0], saved[0], saved[1], saved[2], saved[3], at::Tensor(),
+    auto g = backward_pass(dense(grads[0]), saved[0], saved[1], saved[2], saved[3],
+                           at::Tensor(),
                            ctx->saved_data["k"].toInt(), is_ln,
                            ctx->saved_data["woff"].toDouble(), deterministic(ctx),
                            needs(ctx, e[0]), needs(ctx, e[1]), is_ln && needs(ctx, e[2]));
@@ -391,13 +400,13 @@ struct AddNorm : public torch::autograd::Function<AddNorm> {
                     ctx->saved_data["has_b"].toBool()});
     bool need_x = needs(ctx, e[0]), need_r = needs(ctx, e[1]), need_h = need_x || need_r;
     bool need_w = needs(ctx, e[2]), need_b = is_ln && needs(ctx, e[3]);
-    at::Tensor dy = grads[0].to(h.scalar_type());  // dy in h's dtype: the backward's rule
+    at::Tensor dy = dense(grads[0]).to(h.scalar_type());  // dy in h's dtype: the backward's rule
     // parameters in h's dtype or float32 (16-bit weights of a float32 h: widened)
     at::Tensor w = !weight.defined() || weight.scalar_type() == h.scalar_type() ||
                            weight.scalar_type() == at::kFloat
                        ? weight
                        : weight.to(at::kFloat);
-    auto g = backward_pass(dy, h, w, saved[2], saved[3], need_h ? grads[1] : at::Tensor(),
+    auto g = backward_pass(dy, h, w, saved[2], saved[3], need_h ? dense(grads[1]) : at::Tensor(),
                            ctx->saved_data["k"].toInt(), is_ln,
                            ctx->saved_data["woff"].toDouble(), deterministic(ctx), need_h,
                            need_w, need_b);

@@ -4,8 +4,8 @@ model sees of a norm's device and host time together.
     python -m cupyln.bench_models [--configs gpt-512x6,...] [--compiled] [--out steps.json]
 
 A step is zero_grad, forward, a mean-square loss, backward and a fused AdamW step, the parameters
-in bfloat16; its time is the median of CUDA events around ``STEPS`` steps after ``WARMUP``. The
-providers' models start from the same weights. ``cupyln bench`` records these rows under the
+in bfloat16; its time is the median of CUDA events around ``STEPS`` steps after ``WARMUP``, the
+providers taking turns in ``ROUNDS`` rounds. The providers' models start from the same weights. ``cupyln bench`` records these rows under the
 key ``model_steps``: one per (config, provider, compiled) with ``ms``.
 """
 
@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import NamedTuple
 
-WARMUP, STEPS = 5, 15
+WARMUP, STEPS, ROUNDS = 5, 25, 5
 
 
 class StackConfig(NamedTuple):
@@ -85,12 +85,11 @@ def build(torch, cfg: StackConfig, norm_cls):
     return nn.Sequential(*[Block() for _ in range(cfg.layers)], norm_cls(cfg.d))
 
 
-def step_ms(torch, cfg: StackConfig, norm_cls, compiled, state=None):
-    """Median ms of a training step of ``cfg`` with ``norm_cls``, from weights ``state``."""
+def stepper(torch, cfg: StackConfig, norm_cls, compiled, state):
+    """A training step of ``cfg`` with ``norm_cls`` from weights ``state``, warmed up."""
     torch.manual_seed(0)
     model = build(torch, cfg, norm_cls).to("cuda", torch.bfloat16)
-    if state is not None:
-        model.load_state_dict(state)
+    model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     run = torch.compile(model) if compiled else model
     x = torch.randn(cfg.tokens // cfg.seq, cfg.seq, cfg.d, device="cuda", dtype=torch.bfloat16)
@@ -102,19 +101,25 @@ def step_ms(torch, cfg: StackConfig, norm_cls, compiled, state=None):
 
     for _ in range(WARMUP):
         step()
-    times = []
-    for _ in range(STEPS):
+    return step
+
+
+def step_times(torch, step, n):
+    """CUDA-event times (ms) of ``n`` steps, each on its own."""
+    out = []
+    for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         step()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+        out.append(a.elapsed_time(b))
+    return out
 
 
 def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln", "liger")):
-    """One row per (config, provider, compiled): ``{config, provider, compiled, ms}``."""
+    """One row per (config, provider, compiled): ``{config, provider, compiled, ms}``, the
+    median of ``ROUNDS`` rounds in which the providers take turns (the host's speed drifts)."""
     import torch
 
     out = []
@@ -124,16 +129,23 @@ def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln"
         state = build(torch, cfg, torch.nn.LayerNorm if cfg.norm == "layernorm"
                       else torch.nn.RMSNorm).state_dict()
         for comp in compiled:
+            steps = {}
             for prov in providers:
                 classes = norm_classes(torch, prov)
-                if classes is None:
-                    continue
-                cls = classes[0] if cfg.norm == "layernorm" else classes[1]
-                ms = step_ms(torch, cfg, cls, comp, state)
+                if classes is not None:
+                    cls = classes[0] if cfg.norm == "layernorm" else classes[1]
+                    steps[prov] = stepper(torch, cfg, cls, comp, state)
+            times = {prov: [] for prov in steps}
+            for _ in range(ROUNDS):
+                for prov, step in steps.items():
+                    times[prov] += step_times(torch, step, STEPS // ROUNDS)
+            for prov, t in times.items():
+                ms = sorted(t)[len(t) // 2]
                 out.append({"config": name, "provider": prov, "compiled": comp, "ms": ms})
                 print(f"{name:<14} {'compiled' if comp else 'eager':<9} {prov:<8} {ms:8.3f} ms",
                       flush=True)
-                torch._dynamo.reset()
+            steps = None
+            torch._dynamo.reset()
     return out
 
 
