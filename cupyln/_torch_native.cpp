@@ -14,7 +14,6 @@
 
 #include <cstring>
 #include <map>
-#include <sstream>
 #include <mutex>
 #include <unordered_map>
 
@@ -421,33 +420,22 @@ struct AddNorm : public torch::autograd::Function<AddNorm> {
   }
 };
 
-std::string as_tuple(c10::IntArrayRef v) {  // Python's way: (8,) or (4, 8)
-  std::ostringstream m;
-  m << "(";
-  for (size_t i = 0; i < v.size(); ++i) m << (i ? ", " : "") << v[i];
-  m << (v.size() == 1 ? ",)" : ")");
-  return m.str();
-}
-
-// The number of normalized axes; a ValueError as the Python layer's (cupyln/api.py) where x
-// does not end in ``shape``.
+// The number of normalized axes where x ends in ``shape``, else 0: the Python layer then takes
+// the call and names what is wrong.
 int64_t fits(const at::Tensor& x, const std::vector<int64_t>& shape) {
   int64_t k = static_cast<int64_t>(shape.size());
   bool ok = k >= 1 && k <= x.dim();
   for (int64_t i = 0; ok && i < k; ++i) ok = x.size(x.dim() - k + i) == shape[i];
-  if (!ok) {
-    std::ostringstream m;
-    m << "normalized_shape has shape " << as_tuple(shape) << " but x has shape "
-      << as_tuple(x.sizes()) << ": the trailing axes of x must equal the normalized shape";
-    throw py::value_error(m.str());
-  }
-  return k;
+  return ok ? k : 0;
 }
 
-at::Tensor norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& shape,
-                double eps, bool is_ln, double woff, bool det) {
-  return Norm::apply(x, weight, bias, fits(x, shape), eps, is_ln, woff, det);
+c10::optional<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                               const c10::optional<at::Tensor>& bias,
+                               const std::vector<int64_t>& shape, double eps, bool is_ln,
+                               double woff, bool det) {
+  int64_t k = fits(x, shape);
+  if (!k) return c10::nullopt;
+  return Norm::apply(x, weight, bias, k, eps, is_ln, woff, det);
 }
 
 variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -455,8 +443,9 @@ variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
                        const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& shape,
                        double eps, bool is_ln, double woff,
                        c10::optional<at::ScalarType> hdtype, bool det) {
-  return AddNorm::apply(x, residual, weight, bias, fits(x, shape), eps, is_ln, woff, hdtype,
-                        det);
+  int64_t k = fits(x, shape);
+  if (!k) return {};
+  return AddNorm::apply(x, residual, weight, bias, k, eps, is_ln, woff, hdtype, det);
 }
 
 void set_python(py::object fwd, py::object bwd) {
@@ -479,8 +468,10 @@ size_t size() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("norm", &norm, "LayerNorm (is_ln) or RMSNorm of x over its trailing shape");
-  m.def("add_norm", &add_norm, "(y, h): the norm of h = x + residual, and h");
+  m.def("norm", &norm, "LayerNorm (is_ln) or RMSNorm of x over its trailing shape; None where "
+        "x does not end in it");
+  m.def("add_norm", &add_norm, "(y, h): the norm of h = x + residual, and h; () where x does "
+        "not end in the shape");
   m.def("set_python", &set_python, "the Python layer's forward and backward calls");
   m.def("clear", &clear, "forget every recipe");
   m.def("size", &size, "recipes kept");

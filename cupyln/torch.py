@@ -625,6 +625,38 @@ def _call(op, eager, *args):
     return (out[0], out[-1]) if op in (_add_ln_fwd, _add_rms_fwd) else out[0]
 
 
+def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
+    """y of LayerNorm (``is_ln``) or RMSNorm: the C++ layer's where it takes the call, else the
+    Python layer's (``eps`` None: x's machine epsilon)."""
+    if _native_takes(x, weight, bias):
+        y = _NATIVE.norm(x, weight, bias, shape, _eps(eps, x), is_ln, weight_offset,
+                         deterministic)
+        if y is not None:  # None: x does not end in shape, which the Python layer reports
+            return y
+    _tensors(x=x, weight=weight, bias=bias)
+    if is_ln:
+        return _call(_ln_fwd, _LayerNorm, x, weight, bias, _shape(shape), eps, deterministic,
+                     weight_offset)
+    return _call(_rms_fwd, _RMSNorm, x, weight, _shape(shape), _eps(eps, x), deterministic,
+                 weight_offset)
+
+
+def _add_norm(x, residual, weight, bias, shape, eps, is_ln, weight_offset, residual_dtype,
+              deterministic):
+    """(y, h) of the fused residual add, as :func:`_norm`."""
+    if _native_takes(x, residual, weight, bias):
+        out = _NATIVE.add_norm(x, residual, weight, bias, shape, _eps(eps, x), is_ln,
+                               weight_offset, residual_dtype, deterministic)
+        if out:
+            return tuple(out)
+    _tensors(x=x, residual=residual, weight=weight, bias=bias)
+    if is_ln:
+        return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, _shape(shape), eps,
+                     residual_dtype, weight_offset, deterministic)
+    return _call(_add_rms_fwd, _AddRMSNorm, x, residual, weight, _shape(shape), _eps(eps, x),
+                 residual_dtype, weight_offset, deterministic)
+
+
 def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5, *, weight_offset: float = 0.0,
                deterministic: bool = False) -> Tensor:
@@ -632,12 +664,8 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     and bias. Output in x's dtype (float32 weights with 16-bit x are fine). ``weight_offset``:
     scale by ``weight + weight_offset``. Errors as ``cupyln.layer_norm_fwd``."""
     _tensors(x=x, weight=weight, bias=bias)
-    shape = _shape(normalized_shape)
-    if _native_takes(x, weight, bias):
-        return _NATIVE.norm(x, weight, bias, shape, float(eps), True, float(weight_offset),
-                            deterministic)
-    return _call(_ln_fwd, _LayerNorm, x, weight, bias, shape, float(eps), deterministic,
-                 float(weight_offset))
+    return _norm(x, weight, bias, _shape(normalized_shape), float(eps), True,
+                 float(weight_offset), deterministic)
 
 
 def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
@@ -646,12 +674,8 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
     """``torch.nn.functional.rms_norm`` through cupyln's kernels (``eps=None``: the machine
     epsilon of x's dtype, as torch). ``weight_offset=1.0``: Gemma's ``(1 + weight)``."""
     _tensors(x=x, weight=weight)
-    shape = _shape(normalized_shape)
-    if _native_takes(x, weight):
-        return _NATIVE.norm(x, weight, None, shape, _eps(eps, x), False, float(weight_offset),
-                            deterministic)
-    return _call(_rms_fwd, _RMSNorm, x, weight, shape, _eps(eps, x), deterministic,
-                 float(weight_offset))
+    return _norm(x, weight, None, _shape(normalized_shape), _eps(eps, x), False,
+                 float(weight_offset), deterministic)
 
 
 def _eps(eps, x):
@@ -667,12 +691,8 @@ def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence
     ``(y, h)``, both differentiable; x's and residual's gradients come from one backward
     kernel."""
     _tensors(x=x, residual=residual, weight=weight, bias=bias)
-    shape = _shape(normalized_shape)
-    if _native_takes(x, residual, weight, bias):
-        return tuple(_NATIVE.add_norm(x, residual, weight, bias, shape, float(eps), True,
-                                      float(weight_offset), residual_dtype, deterministic))
-    return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, shape, float(eps),
-                 residual_dtype, float(weight_offset), deterministic)
+    return _add_norm(x, residual, weight, bias, _shape(normalized_shape), float(eps), True,
+                     float(weight_offset), residual_dtype, deterministic)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[int],
@@ -681,12 +701,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
                  deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The fused residual add of :func:`add_layer_norm`, for RMSNorm. Returns ``(y, h)``."""
     _tensors(x=x, residual=residual, weight=weight)
-    shape = _shape(normalized_shape)
-    if _native_takes(x, residual, weight):
-        return tuple(_NATIVE.add_norm(x, residual, weight, None, shape, _eps(eps, x), False,
-                                      float(weight_offset), residual_dtype, deterministic))
-    return _call(_add_rms_fwd, _AddRMSNorm, x, residual, weight, shape, _eps(eps, x),
-                 residual_dtype, float(weight_offset), deterministic)
+    return _add_norm(x, residual, weight, None, _shape(normalized_shape), _eps(eps, x), False,
+                     float(weight_offset), residual_dtype, deterministic)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -709,11 +725,8 @@ class LayerNorm(torch.nn.LayerNorm):
         self.deterministic = deterministic
 
     def forward(self, x):
-        if _native_takes(x, self.weight, self.bias):
-            return _NATIVE.norm(x, self.weight, self.bias, self.normalized_shape, self.eps, True,
-                                0.0, self.deterministic)
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                          deterministic=self.deterministic)
+        return _norm(x, self.weight, self.bias, self.normalized_shape, self.eps, True, 0.0,
+                     self.deterministic)
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -734,11 +747,8 @@ class RMSNorm(torch.nn.RMSNorm):
             torch.nn.init.constant_(self.weight, 1.0 - getattr(self, "weight_offset", 0.0))
 
     def forward(self, x):
-        if _native_takes(x, self.weight):
-            return _NATIVE.norm(x, self.weight, None, self.normalized_shape, _eps(self.eps, x),
-                                False, self.weight_offset, self.deterministic)
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps,
-                        weight_offset=self.weight_offset, deterministic=self.deterministic)
+        return _norm(x, self.weight, None, self.normalized_shape, self.eps, False,
+                     self.weight_offset, self.deterministic)
 
 
 class FusedAddLayerNorm(LayerNorm):
@@ -752,13 +762,8 @@ class FusedAddLayerNorm(LayerNorm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x, residual):
-        if _native_takes(x, residual, self.weight, self.bias):
-            return tuple(_NATIVE.add_norm(x, residual, self.weight, self.bias,
-                                          self.normalized_shape, self.eps, True, 0.0,
-                                          self.residual_dtype, self.deterministic))
-        return add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias,
-                              self.eps, residual_dtype=self.residual_dtype,
-                              deterministic=self.deterministic)
+        return _add_norm(x, residual, self.weight, self.bias, self.normalized_shape, self.eps,
+                         True, 0.0, self.residual_dtype, self.deterministic)
 
 
 class FusedAddRMSNorm(RMSNorm):
@@ -771,13 +776,8 @@ class FusedAddRMSNorm(RMSNorm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x, residual):
-        if _native_takes(x, residual, self.weight):
-            return tuple(_NATIVE.add_norm(x, residual, self.weight, None, self.normalized_shape,
-                                          _eps(self.eps, x), False, self.weight_offset,
-                                          self.residual_dtype, self.deterministic))
-        return add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps,
-                            residual_dtype=self.residual_dtype,
-                            weight_offset=self.weight_offset, deterministic=self.deterministic)
+        return _add_norm(x, residual, self.weight, None, self.normalized_shape, self.eps,
+                         False, self.weight_offset, self.residual_dtype, self.deterministic)
 
 
 def replace_norms(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.Module:
