@@ -41,9 +41,13 @@ def _normal(text):
 
 
 def _git_reader(rev):
-    def read(name):
-        return subprocess.run(["git", "show", f"{rev}:kernels/{name}"], check=True,
-                              capture_output=True, text=True).stdout
+    def read(name):  # cupyln/kernels/, or kernels/ at revisions before the move
+        for folder in ("cupyln/kernels", "kernels"):
+            r = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], capture_output=True,
+                               text=True)
+            if r.returncode == 0:
+                return r.stdout
+        raise FileNotFoundError(f"{name} at {rev}")
     return read
 
 
@@ -114,7 +118,7 @@ def _template(key):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("base", help="git revision whose kernels/ is compared")
+    ap.add_argument("base", help="git revision whose kernels are compared")
     ap.add_argument("--arch", nargs="*", default=["compute_90", "compute_80"])
     ap.add_argument("--hip", nargs="*", default=[], help="AMDGPU targets, e.g. gfx90a gfx1030")
     ap.add_argument("--kernels", default="", help="template names, comma-separated (all)")

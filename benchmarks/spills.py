@@ -79,7 +79,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", default="sm_90", help="an NVRTC machine target (sm_80, sm_90)")
     ap.add_argument("--kernels", default="", help="template names, comma-separated (all)")
-    ap.add_argument("--base", help="git revision whose kernels/ is compared")
+    ap.add_argument("--base", help="git revision whose kernels are compared")
     ap.add_argument("--all", action="store_true", help="every kernel, not only those that spill")
     args = ap.parse_args(argv)
     wanted = set(filter(None, args.kernels.split(",")))

@@ -77,7 +77,7 @@ class Spec(NamedTuple):
         """The name expression of each kernel of one pass: 'fwd', 'fwd_long' (peeled rows in
         parts over the grid or in chunks), 'bwd' (rows within a block; with ``tiles`` > 1 the
         kernel of a grid of one cluster alone) or 'bwd_long' (longer rows). Template arguments
-        are the named constants of kernels/common.cuh (cln::)."""
+        are the named constants of cupyln/kernels/common.cuh (cln::)."""
         if pass_ == "fwd":
             return self._fwd_names()
         if pass_ == "fwd_long":
@@ -295,11 +295,8 @@ def _op(is_ln):
 
 
 def _read(name):
-    """A kernel source: cupyln/kernels/ where installed (the wheel maps kernels/ there), else
-    kernels/ beside cupyln/ in a source checkout."""
-    here = Path(__file__).resolve().parent
-    path = here / "kernels" / name
-    return (path if path.exists() else here.parent / "kernels" / name).read_text()
+    """A kernel source, from cupyln/kernels/."""
+    return (Path(__file__).resolve().parent / "kernels" / name).read_text()
 
 
 @functools.cache

@@ -307,7 +307,7 @@ class Config:
 
     fwd: FwdConfig = field(default_factory=FwdConfig)
     bwd: BwdConfig = field(default_factory=BwdConfig)
-    # Another kernel translation unit to compile instead of kernels/ (benchmarks' variants).
+    # Another kernel translation unit to compile instead of cupyln/kernels/ (benchmarks' variants).
     source: str | None = field(default=None, repr=False)
 
 

@@ -15,7 +15,7 @@ FLOAT64 = np.dtype(np.float64)
 SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"
 
-#: C storage type of each dtype in kernels/ (the one table)
+#: C storage type of each dtype in cupyln/kernels/ (the one table)
 CTYPES = {FLOAT16: "cl_half", BFLOAT16: "cl_bf16", FLOAT32: "float", FLOAT64: "double"}
 #: dtype the kernels compute in, for each data dtype
 ACC_DTYPES = {FLOAT16: FLOAT32, BFLOAT16: FLOAT32, FLOAT32: FLOAT32, FLOAT64: FLOAT64}

@@ -148,8 +148,8 @@ def test_wheel_ships_kernel_sources(tmp_path):
 
 def test_the_kernel_folder_is_no_importable_package():
     """From the repository's root (on sys.path under ``python -m pytest``), ``import kernels``
-    must not find cupyln's sources as a regular package: transformers imports Hugging Face's
-    ``kernels`` package by that name where it is installed."""
+    must not find cupyln's sources: transformers asks for Hugging Face's ``kernels`` package by
+    that name, and takes any it finds."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)"
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
