@@ -780,24 +780,25 @@ class FusedAddRMSNorm(RMSNorm):
                          False, self.weight_offset, self.residual_dtype, self.deterministic)
 
 
+def patch(model: torch.nn.Module, *, deterministic: bool = False):
+    """Swap, in place, every norm module of ``model`` that cupyln computes the same:
+    ``torch.nn.LayerNorm`` / ``RMSNorm`` for this module's classes, and the norm classes of
+    other libraries (Hugging Face transformers' Llama, Mistral, Qwen2/3 with q_norm/k_norm,
+    Gemma 1/2/3, Phi-3, OLMo/OLMo2, T5, ...) by a subclass that runs cupyln. Each is matched by
+    what its forward computes on a probe, not by name; one that matches none of cupyln's
+    formulas is left alone. Parameters (the same tensors), state_dict keys and attributes stay;
+    works before or after ``.to(device, dtype)`` and on the meta device. Returns what it did:
+    ``.swapped`` (name -> what the module now computes) and ``.left`` (name -> why not)."""
+    from ._patch import patch as _patch
+
+    return _patch(model, deterministic)
+
+
 def replace_norms(model: torch.nn.Module, *, deterministic: bool = False) -> torch.nn.Module:
-    """Swap every ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` of ``model`` for cupyln's, in
-    place, keeping their parameters (the same tensors). Returns ``model``."""
-    for name, child in list(model.named_children()):
-        if type(child) is torch.nn.LayerNorm:
-            new = LayerNorm.__new__(LayerNorm)
-        elif type(child) is torch.nn.RMSNorm:
-            new = RMSNorm.__new__(RMSNorm)
-        else:
-            replace_norms(child, deterministic=deterministic)
-            continue
-        new.__dict__.update(child.__dict__)
-        new.deterministic = deterministic
-        if isinstance(new, RMSNorm):
-            new.weight_offset = 0.0
-        setattr(model, name, new)
+    """:func:`patch` ``model`` and return it."""
+    patch(model, deterministic=deterministic)
     return model
 
 
 __all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "LayerNorm", "RMSNorm", "add_layer_norm",
-           "add_rms_norm", "layer_norm", "replace_norms", "rms_norm"]
+           "add_rms_norm", "layer_norm", "patch", "replace_norms", "rms_norm"]
