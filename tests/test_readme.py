@@ -47,8 +47,9 @@ def _needs(src):
 
         if gpu_count() < 1:
             pytest.skip("needs a GPU (none found)")
-    if re.search(r"^import torch( |$)", src, re.M):
-        pytest.importorskip("torch")
+    for module in ("torch", "transformers"):
+        if re.search(rf"^import {module}( |$)", src, re.M):
+            pytest.importorskip(module)
 
 
 def test_there_are_examples():
@@ -62,3 +63,5 @@ def test_the_example_runs(i, capsys):
     exec(compile(src, f"README.md python block {i}", "exec"), {"__name__": "readme"})
     if "print(model[1])" in src:
         assert capsys.readouterr().out.startswith("cupyln.torch.LayerNorm((64,), eps=1e-05")
+    if "print(len(report.swapped), report.left)" in src:
+        assert capsys.readouterr().out == "5 {}\n"
