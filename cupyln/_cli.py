@@ -27,7 +27,9 @@ Needs a GPU: {GPU_EXTRAS}."""
 
 BENCH_SCHEMA = """\
 JSON output (schema 1): {schema, device, copy_GBs, versions: {cupyln, cupy, torch, liger},
-rows: [...]}. A row is {op, M, N, dtype, pass, provider, us, GBs}:
+rows: [...], model_steps: [...]}. A model step is {config, provider, compiled, ms}: a whole
+training step of a small model with the provider's norms (python -m cupyln.bench_models --help).
+A row is {op, M, N, dtype, pass, provider, us, GBs}:
   op        layernorm, rmsnorm, or their fused residual add layernorm_add / rmsnorm_add
   pass      fwd, bwd (device time); module_fwd, module_bwd (a PyTorch module's forward, and its
             backward through autograd); fwd_host, bwd_host (host time per call of 2,000
@@ -49,6 +51,8 @@ def add_bench_arguments(ap):
     ap.add_argument("--only", action="store_true", help="only the --shape shapes")
     ap.add_argument("--no-sweep", action="store_true",
                     help="leave out the long-row sweep (LayerNorm bfloat16, M*N = 2^27)")
+    ap.add_argument("--no-models", action="store_true",
+                    help="leave out the whole training steps of small models (model_steps)")
     ap.add_argument("--out", default="bench.json", help="JSON output path (default bench.json)")
     ap.add_argument("--plot", default=None, help="PNG plot path (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -510,7 +510,7 @@ def jobs(shapes, sweep=()):
     return [(s, True) for s in shapes] + [(s, s[2] in ODD_N) for s in sweep if s not in shapes]
 
 
-def run(shapes, progress=True, sweep=()):
+def run(shapes, progress=True, sweep=(), models=True):
     torch, liger = _torch(), _liger()
     copy = copy_bandwidth()
     rows = []
@@ -543,6 +543,11 @@ def run(shapes, progress=True, sweep=()):
     rows += host_rows(torch, liger is not None)
     rows += compile_rows()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    steps = []
+    if models and torch is not None:
+        from . import bench_models
+
+        steps = bench_models.rows(compiled=(False, True))
     return {
         "schema": SCHEMA_VERSION,
         "device": props["name"].decode(),
@@ -551,6 +556,7 @@ def run(shapes, progress=True, sweep=()):
                      "torch": getattr(torch, "__version__", None),
                      "liger": _liger_version() if liger else None},
         "rows": rows,
+        "model_steps": steps,
     }
 
 
@@ -595,7 +601,7 @@ def table(result):
 
 def plot(result, path, M=4096, dtype="float16", op="layernorm"):
     """GB/s against N: forward and backward at M rows (two panels), and the sweep at M * N =
-    2^27 (third panel, bfloat16, both passes)."""
+    2^27 (third panel, bfloat16, both passes); the model steps beside it (PATH_steps.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -639,6 +645,11 @@ def plot(result, path, M=4096, dtype="float16", op="layernorm"):
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    if result.get("model_steps"):
+        from . import bench_models
+
+        stem, dot, ext = str(path).rpartition(".")
+        bench_models.plot(result["model_steps"], f"{stem}_steps.{ext}" if dot else f"{path}_steps")
 
 
 def run_args(a):
@@ -646,7 +657,7 @@ def run_args(a):
     shapes = [] if a.only else load_shapes(a.shapes)
     shapes += [(op, int(M), int(N), dt) for op, M, N, dt in a.shape]
     result = run(shapes, progress=not a.no_progress,
-                 sweep=() if a.only or a.no_sweep else SWEEP)
+                 sweep=() if a.only or a.no_sweep else SWEEP, models=not a.no_models)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     if a.plot:
