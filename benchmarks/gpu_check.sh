@@ -9,14 +9,14 @@
 #   CUPYLN_SANITIZE_VARIANTS="4,5" only those variants, SANITIZE_TOOLS="racecheck" only that
 #   tool, SANITIZE_JOBS=N the (case, variant) pairs over N processes),
 #   multi (two or more GPUs: tests/test_multi_gpu.py and examples/data_parallel.py), and the
-#   experiments hostprof (benchmarks/hostprof.py; HOSTPROF_OLD=dir also times
-#   dir/cupyln_old), tune (benchmarks/tune.py), leave_out (benchmarks/leave_out.py: forwards
-#   without beta / gamma), floor (benchmarks/copy_floor.py: copies of each large shape's
-#   bytes), ncu (Nsight Compute sections of one forward and backward, benchmarks/ncu_case.py;
+#   experiments (benchmarks/tools/) host (host_breakdown.py: cupyln.torch's modules against
+#   torch's), tune (tune.py), leave_out (leave_out.py: forwards
+#   without beta / gamma), floor (copy_floor.py: copies of each large shape's
+#   bytes), ncu (Nsight Compute sections of one forward and backward, ncu_case.py;
 #   NCU_CASE="op M N dtype"), ncu_src (warp-state samples per SASS instruction of the kernels
-#   matching NCU_KERNEL in that case: ncu_sass.csv, summed up by benchmarks/sass.py),
+#   matching NCU_KERNEL in that case: ncu_sass.csv, summed up by sass.py),
 #   small (kernel durations of the small shapes under Nsight Compute, all providers and
-#   planner variants, benchmarks/small_kernels.py) and stalls (their warp stall reasons)
+#   planner variants, small_kernels.py) and stalls (their warp stall reasons)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -86,30 +86,30 @@ for s in $stages; do
           summary+=("$(cat "$OUT/$name.sum")"); rm -f "$OUT/$name.sum"
         done
       done ;;
-    hostprof) run hostprof python3 benchmarks/hostprof.py ${HOSTPROF_OLD:-} ;;
-    tune) run tune python3 benchmarks/tune.py ;;
-    leave_out) run leave_out python3 benchmarks/leave_out.py ;;
-    floor) run floor python3 benchmarks/copy_floor.py ;;
+    host) run host python3 benchmarks/tools/host_breakdown.py ;;
+    tune) run tune python3 benchmarks/tools/tune.py ;;
+    leave_out) run leave_out python3 benchmarks/tools/leave_out.py ;;
+    floor) run floor python3 benchmarks/tools/copy_floor.py ;;
     ncu) run ncu ncu --clock-control none --section SpeedOfLight --section Occupancy \
            --section WarpStateStats --section LaunchStats --section SchedulerStats \
            --section InstructionStats -k regex:norm_ \
-           python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
+           python3 benchmarks/tools/ncu_case.py ${NCU_CASE:-layernorm 131072 4096 bfloat16} ;;
     ncu_src)  # warp-state samples per SASS instruction of the kernels NCU_KERNEL matches
       run ncu_src ncu --clock-control none --section WarpStateStats --section SourceCounters \
         --section SpeedOfLight -k "regex:${NCU_KERNEL:-norm_bwd}" -o "$OUT/ncu_src" -f \
-        python3 benchmarks/ncu_case.py ${NCU_CASE:-layernorm 4096 16384 float16}
+        python3 benchmarks/tools/ncu_case.py ${NCU_CASE:-layernorm 4096 16384 float16}
       ncu --import "$OUT/ncu_src.ncu-rep" --page source --csv --print-source sass \
         >"$OUT/ncu_sass.csv" 2>"$OUT/ncu_sass.err.log"
       ncu --import "$OUT/ncu_src.ncu-rep" --page details >"$OUT/ncu_details.log" 2>&1
-      python3 benchmarks/sass.py stalls "$OUT/ncu_sass.csv" 25 >"$OUT/ncu_stalls.log" 2>&1 ;;
+      python3 benchmarks/tools/sass.py stalls "$OUT/ncu_sass.csv" 25 >"$OUT/ncu_stalls.log" 2>&1 ;;
     small|stalls) set=$([ "$s" = stalls ] && echo stalls)
-      run "${s}_ncu" ncu --csv --metrics "$(python3 benchmarks/small_kernels.py --metrics $set)" \
+      run "${s}_ncu" ncu --csv --metrics "$(python3 benchmarks/tools/small_kernels.py --metrics $set)" \
         --print-units base --profile-from-start off --log-file "$OUT/$s.csv" \
-        python3 benchmarks/small_kernels.py "$OUT/${s}_cases.txt"
-      python3 benchmarks/small_kernels.py --table "$OUT/${s}_cases.txt" "$OUT/$s.csv" \
+        python3 benchmarks/tools/small_kernels.py "$OUT/${s}_cases.txt"
+      python3 benchmarks/tools/small_kernels.py --table "$OUT/${s}_cases.txt" "$OUT/$s.csv" \
         >"$OUT/$s.log" 2>&1 ;;
     bench) run bench python3 -m cupyln bench --out "$OUT/bench.json" --plot "$OUT/bench.png"
-      # the issues' targets, and each pass against this card's current record
+      # the targets, and each pass against this card's current record
       old=benchmarks/results/$(grep -q H200 "$OUT/gpu.txt" && echo h200 || echo h100).json
       [ -f "$OUT/bench.json" ] && python3 benchmarks/targets.py "$OUT/bench.json" "$old" -v \
         >"$OUT/targets.log" 2>&1 ;;
@@ -122,7 +122,7 @@ grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head
 [ -f "$OUT/ncu_stalls.log" ] && { echo; echo "==== ncu_src (samples per instruction) ===="; cat "$OUT/ncu_stalls.log"; }
 [ -f "$OUT/targets.log" ] && { echo; echo "==== targets ===="; cat "$OUT/targets.log"; }
 [ -f "$OUT/leave_out.log" ] && { echo; echo "==== leave_out ===="; cat "$OUT/leave_out.log"; }
-[ -f "$OUT/hostprof.log" ] && { echo; echo "==== hostprof ===="; grep -B100 -m1 -e "----" "$OUT/hostprof.log"; }
+[ -f "$OUT/host.log" ] && { echo; echo "==== host ===="; cat "$OUT/host.log"; }
 [ -f "$OUT/small.log" ] && { echo; echo "==== small (ncu kernel durations) ===="; cat "$OUT/small.log"; }
 [ -f "$OUT/stalls.log" ] && { echo; echo "==== stalls (ncu, small shapes) ===="; cat "$OUT/stalls.log"; }
 echo; echo "==== summary ===="

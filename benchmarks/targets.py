@@ -1,4 +1,4 @@
-"""The long-rows (#41) and fused-add (#43) targets, met or missed, read from one record.
+"""The long-row and fused-add targets, met or missed, read from one record.
 
     python benchmarks/targets.py RECORD.json [OLD.json] [-v]   # OLD: "no pass 2% slower"
 
@@ -59,7 +59,7 @@ def shape_us(rows, op, M, N, dt, pass_, limit):
 
 
 def fused(copy, rows):
-    """#43: the fused passes' fraction of copy against the plain pass's, and the speed-ups."""
+    """The fused passes' fraction of copy against the plain pass's, and the speed-ups."""
     frac, speed = {"fwd": [], "bwd": []}, {"fwd": [], "bwd": []}
     for (op, M, N, dt, p, prov), r in rows.items():
         if not op.endswith("_add") or prov != "cupyln":
@@ -78,33 +78,33 @@ def fused(copy, rows):
 
 def main(path, old=None, verbose=False):
     copy, rows = load(path)
-    lines = [("#41 large passes, forward >= 88% of copy",
+    lines = [("long rows: large passes, forward >= 88% of copy",
               bandwidth(copy, rows, ("layernorm", "rmsnorm"), "fwd", 0.88)),
-             ("#41 large passes, backward >= 82% of copy",
+             ("long rows: large passes, backward >= 82% of copy",
               bandwidth(copy, rows, ("layernorm", "rmsnorm"), "bwd", 0.82))]
     for p in ("fwd", "bwd"):
-        lines.append((f"#41 64x1048576 bf16 {p} >= 70% of copy",
+        lines.append((f"long rows: 64x1048576 bf16 {p} >= 70% of copy",
                       bandwidth(copy, {k: v for k, v in rows.items() if k[1:3] == (64, 1048576)},
                                 ("layernorm", "rmsnorm"), p, 0.70, large=False)))
     for p, limit in (("fwd", 15.0), ("bwd", 20.0)):
-        lines.append((f"#41 1x1048576 bf16 {p} <= {limit:g} us",
+        lines.append((f"long rows: 1x1048576 bf16 {p} <= {limit:g} us",
                       shape_us(rows, "layernorm", 1, 1048576, "bfloat16", p, limit)))
     for p in ("fwd", "bwd"):
-        lines.append((f"#41 1x65536 bf16 {p} <= 8 us",
+        lines.append((f"long rows: 1x65536 bf16 {p} <= 8 us",
                       shape_us(rows, "layernorm", 1, 65536, "bfloat16", p, 8.0)))
-    lines.append(("#41 no slower than the best peer (plain passes)",
+    lines.append(("long rows: no slower than the best peer (plain passes)",
                   [c for c in peers(rows) if "_add" not in c[1]]))
     if old is not None:
         _, before = load(old)
         cases = [(1.02 - r["us"] / before[k]["us"], f"{' '.join(map(str, k[:5]))} "
                   f"{before[k]['us']:.1f} -> {r['us']:.1f} us")
                  for k, r in rows.items() if k[5] == "cupyln" and k in before]
-        lines.append(("#41 no pass more than 2% slower than OLD", cases))
+        lines.append(("long rows: no pass more than 2% slower than OLD", cases))
     frac, speed = fused(copy, rows)
     for p in ("fwd", "bwd"):
-        lines.append((f"#43 fused {p}: the plain pass's fraction of copy", frac[p]))
-        lines.append((f"#43 fused {p} >= {1.2 if p == 'fwd' else 1.4}x add + norm", speed[p]))
-    lines.append(("#43 fused RMSNorm no slower than Liger's",
+        lines.append((f"fused add {p}: the plain pass's fraction of copy", frac[p]))
+        lines.append((f"fused add {p} >= {1.2 if p == 'fwd' else 1.4}x add + norm", speed[p]))
+    lines.append(("fused add: RMSNorm no slower than Liger's",
                   peers({k: v for k, v in rows.items()
                          if k[0] == "rmsnorm_add" and k[5] != "torch"})))
     width = max(len(t) for t, _ in lines)

@@ -3,7 +3,7 @@
 A :class:`Config` is frozen and hashable; the planner takes one (``DEFAULT`` unless a caller
 passes another), so tests and tuning scripts reach every variant without patching globals.
 Each field says why it holds its default, with the figure behind it; the measurements
-themselves live in ``benchmarks/NOTES.md`` (all on one H200, ``benchmarks/tune.py``).
+themselves live in ``benchmarks/NOTES.md`` (all on one H200, ``benchmarks/tools/tune.py``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Planner configurations and kernel sources timed against each other on one machine.
 
-    python benchmarks/tune.py
-    CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tune.py   # also other kernel sources
-    CUPYLN_TUNE_PASSES=fwd python benchmarks/tune.py                   # forward only
-    CUPYLN_TUNE_SHAPES=layernorm:4096:1024:float16 python benchmarks/tune.py  # other shapes
-    CUPYLN_TUNE_SHAPES=rmsnorm_add:64:1048576:bfloat16 python benchmarks/tune.py  # fused add
-    CUPYLN_TUNE_BWD='[{"cluster_npt": 1}, {"source": "old"}]' python benchmarks/tune.py
+    python benchmarks/tools/tune.py
+    CUPYLN_TUNE_SOURCES=old=old.cu,b=b.cu python benchmarks/tools/tune.py  # other sources too
+    CUPYLN_TUNE_PASSES=fwd python benchmarks/tools/tune.py                   # forward only
+    CUPYLN_TUNE_SHAPES=layernorm:4096:1024:float16 python benchmarks/tools/tune.py  # other shapes
+    CUPYLN_TUNE_SHAPES=rmsnorm_add:64:1048576:bfloat16 python benchmarks/tools/tune.py  # fused add
+    CUPYLN_TUNE_BWD='[{"cluster_npt": 1}, {"source": "old"}]' python benchmarks/tools/tune.py
 
 A configuration is a dict of FwdConfig (forward) or BwdConfig (backward) fields, and "source":
 the name of a kernel source (the others keep their defaults). Every shape's forward and backward

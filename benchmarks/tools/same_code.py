@@ -1,6 +1,6 @@
 """Whether the kernels compile to the same code as at another revision, no GPU needed.
 
-    python benchmarks/same_code.py BASE [--arch compute_90 compute_80] [--hip gfx90a]
+    python benchmarks/tools/same_code.py BASE [--arch compute_90 compute_80] [--hip gfx90a]
                                         [--kernels norm_bwd,norm_bwd_add]
 
 Every kernel the default config builds (the working tree's names, those of the templates named

@@ -1,6 +1,6 @@
 """Registers and spills of each kernel, from ptxas through NVRTC, no GPU needed.
 
-    python benchmarks/spills.py [--arch sm_90] [--kernels norm_bwd_resident,norm_fwd]
+    python benchmarks/tools/spills.py [--arch sm_90] [--kernels norm_bwd_resident,norm_fwd]
                                 [--base REV] [--all]
 
 Compiles the kernels the default config builds (those of the templates named by --kernels, all by

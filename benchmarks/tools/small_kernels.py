@@ -1,9 +1,9 @@
 """Kernel durations of the small benchmark shapes under Nsight Compute: every provider, and
 cupyln with planner variants, one profiled call each after warm-up, behind an L2 flush.
 
-    ncu --csv --metrics "$(python benchmarks/small_kernels.py --metrics)" \\
-        --profile-from-start off --log-file k.csv python benchmarks/small_kernels.py cases.txt
-    python benchmarks/small_kernels.py --table cases.txt k.csv
+    ncu --csv --metrics "$(python benchmarks/tools/small_kernels.py --metrics)" \\
+        --profile-from-start off --log-file k.csv python benchmarks/tools/small_kernels.py cases.txt
+    python benchmarks/tools/small_kernels.py --table cases.txt k.csv
     CUPYLN_SMALL_SHAPES=layernorm:4096:4096:float16 ...            # other shapes
 
 The first command writes the case of each profiled group to cases.txt; the second sums each

@@ -1,6 +1,6 @@
 """Copies of the bytes one pass moves, timed as the benchmark times cupyln (device time).
 
-    python benchmarks/copy_floor.py [op:M:N:dtype ...]
+    python benchmarks/tools/copy_floor.py [op:M:N:dtype ...]
 
 The benchmark's ratios are against the copy of a 4 GiB buffer; copies of fewer bytes run at a
 lower rate (benchmarks/NOTES.md). So for each shape (default: those of the benchmark

@@ -1,6 +1,6 @@
 """Forward variants that leave a stage out, timed as the benchmark times them (device time).
 
-    python benchmarks/leave_out.py [op:M:N:dtype ...]
+    python benchmarks/tools/leave_out.py [op:M:N:dtype ...]
 
 For each shape: LayerNorm with gamma and beta, with gamma only, with neither, and RMSNorm with
 and without gamma, all on the same x; µs and % of the copy bandwidth of the same run. What the

@@ -1,6 +1,6 @@
 """Compare two benchmark records: cupyln's device time per pass, new against old.
 
-    python benchmarks/compare.py OLD.json NEW.json [N]   # the N worst and best ratios (5)
+    python benchmarks/tools/compare.py OLD.json NEW.json [N]   # the N worst and best ratios (5)
 """
 
 import json

@@ -1,7 +1,7 @@
 """One forward and one backward call of a benchmark shape, for Nsight Compute:
 
-    ncu --clock-control none --section SpeedOfLight -k regex:norm_ python3 benchmarks/ncu_case.py \\
-        [layernorm|rmsnorm|layernorm_add|rmsnorm_add] M N DTYPE
+    ncu --clock-control none --section SpeedOfLight -k regex:norm_ \\
+        python3 benchmarks/tools/ncu_case.py [layernorm|rmsnorm|layernorm_add|rmsnorm_add] M N DTYPE
 
 The ``_add`` ops run the fused residual add (its backward with dresidual), as the benchmark's
 rows of that name.

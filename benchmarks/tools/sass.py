@@ -1,7 +1,7 @@
 """Two readings of kernel SASS, no GPU needed.
 
-    python benchmarks/sass.py stalls ncu_sass.csv [TOP]     # from gpu_check.sh's ncu_src stage
-    python benchmarks/sass.py ctrl kernels.sass SUBSTRING   # from cuobjdump -sass of a cubin
+    python benchmarks/tools/sass.py stalls ncu_sass.csv [TOP]    # gpu_check.sh's ncu_src stage
+    python benchmarks/tools/sass.py ctrl kernels.sass SUBSTRING  # cuobjdump -sass of a cubin
 
 ``stalls``: for each kernel of an Nsight Compute source-page export (``ncu --page source --csv
 --print-source sass``), the warp-state samples by reason, the instruction mix weighted by

@@ -1,6 +1,6 @@
 """Peak memory of the NumPy path on a 512 MiB float16 input (65536 x 4096):
 
-    /usr/bin/time -v python benchmarks/numpy_path_rss.py fwd   # or bwd
+    /usr/bin/time -v python benchmarks/tools/numpy_path_rss.py fwd   # or bwd
 """
 
 import sys
