@@ -55,7 +55,7 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
                 ("num_attrs", ctypes.c_uint)]
 
 
-@functools.cache  # asked once per plan and grid (the planner asks again for its grid)
+@functools.lru_cache(maxsize=4096)  # asked once per plan and grid (the planner asks again)
 def max_active_clusters(kern, cluster, block, smem):
     """How many clusters of ``kern`` (whose cluster shape, ``cluster`` = (blocks along x, along
     y), is fixed at compile time) can run at once on its device (``cuOccupancyMaxActiveClusters``;

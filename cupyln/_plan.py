@@ -334,6 +334,21 @@ _MERGE_ARGS = "pipi"  # the parts, their count per row, the row sums, M
 _REDUCE_ARGS = "piipp"
 
 
+def kernel_args(function):
+    """The argument kinds of kernel ``function`` (its name): the host-kernel contract, which
+    tests/test_compile.py reads against each kernel's C parameter list."""
+    if function == "norm_bwd_rowsums_merge":
+        return _MERGE_ARGS
+    if function == "norm_bwd_rowsums":
+        return _ROWSUMS_ARGS
+    if function.startswith("norm_bwd_reduce"):
+        return _REDUCE_ARGS
+    if function.startswith("norm_bwd"):
+        return _BWD_ARGS
+    args = _FWD_ADD_ARGS if "_add" in function else _FWD_ARGS
+    return args + "p" if function.endswith("_parts") else args  # the parts' statistics
+
+
 def _kinds(args, dtype):
     return args.replace("X", "d" if ACC_DTYPES[dtype] == FLOAT64 else "f")
 

@@ -174,3 +174,47 @@ def test_kernel_names_say_what_the_kernel_is():
         "cln::cols_tested>")
     bwd = Spec(FLOAT16, FLOAT16, False, 8, 2, 32).names("bwd")
     assert bwd["bwd_staged_dyn"].endswith("cln::staged, cln::partials, cln::tickets>")
+
+
+def _c_params(src, macro):
+    """The parameters of a CLN_*_PARAMS macro's definition."""
+    body = re.search(rf"#define {macro}\s+((?:.*\\\n)*.*)", src).group(1)
+    return body.replace("\\\n", " ")
+
+
+def _kind(param):
+    """A C parameter's argument kind: p pointer, i int64, X the accumulation float."""
+    param = " ".join(param.split())
+    if "*" in param:
+        return "p"
+    if param.startswith("cl_i64 "):
+        return "i"
+    if param.startswith("typename Acc<T>::type "):
+        return "X"
+    raise AssertionError(f"a parameter of no known kind: {param!r}")
+
+
+def test_each_kernels_parameters_are_the_planners_argument_kinds():
+    """The host-kernel contract: every kernel's C parameter list (macros expanded) against the
+    argument kinds the planner launches it with (_plan.kernel_args)."""
+    from cupyln import _compile, _plan
+
+    src = _compile.source()
+    found = 0
+    for m in re.finditer(r"__global__\s+void\s.*?(norm_\w+)\(([^{]*)\)\s*\{", src, re.S):
+        name, params = m.group(1), m.group(2)
+        while re.search(r"CLN_\w+_PARAMS", params):  # one macro may hold another
+            macro = re.search(r"CLN_\w+_PARAMS", params).group(0)
+            params = params.replace(macro, _c_params(src, macro))
+        depth, parts, cur = 0, [], ""
+        for ch in params:  # commas outside template brackets
+            depth += (ch == "<") - (ch == ">")
+            if ch == "," and depth == 0:
+                parts.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        kinds = "".join(_kind(p) for p in [*parts, cur])
+        assert kinds == _plan.kernel_args(name), name
+        found += 1
+    assert found >= 25
