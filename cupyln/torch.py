@@ -606,7 +606,9 @@ def _shape(normalized_shape):
     return list(api._shape_arg(normalized_shape))
 
 
-_FUNCTORCH_ACTIVE = torch._C._are_functorch_transforms_active
+# torch's own test for functorch transforms (private); where a torch lacks it, every call takes
+# the public path (``apply``, the Python layer), which is right under any transform.
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def _call(op, eager, *args):

@@ -367,6 +367,30 @@ def test_prepared_calls_from_a_thread_without_a_current_context():
     assert len(got) == 2 and all(torch.equal(a, c) for a, c in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_private_accessors_have_public_fallbacks(monkeypatch, device):
+    """Without torch's private current-stream and functorch accessors, calls take the public
+    paths (``torch.cuda.current_stream``, ``Function.apply``) and give the same values."""
+    x, w, b, dy = inputs((6, 40), 1, torch.float32, torch.float32, device)
+
+    def fn(*a):
+        return ct.layer_norm(a[0], (40,), a[1], a[2], deterministic=True)
+
+    want = grads(fn, x, w, b, dy)
+    monkeypatch.setattr(ct, "_CURRENT_RAW_STREAM", None)
+    monkeypatch.setattr(ct, "_FUNCTORCH_ACTIVE", lambda: True)
+    monkeypatch.setattr(ct, "_NATIVE", None)  # the Python layer, where both are read
+    applied = []
+    real = ct._LayerNorm.apply
+    monkeypatch.setattr(ct._LayerNorm, "apply", lambda *a: applied.append(1) or real(*a))
+    got = grads(fn, x, w, b, dy)
+    assert applied
+    for g, h in zip(got, want, strict=True):
+        assert torch.equal(g, h)
+    if device == "cuda":
+        assert ct._raw_stream(0) == torch.cuda.current_stream(0).cuda_stream
+
+
 def test_unsupported_tensor_dtype_is_named():
     with pytest.raises(TypeError, match="got torch.int32"):
         ct.layer_norm(torch.ones(2, 4, dtype=torch.int32), 4)
