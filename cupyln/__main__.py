@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from ._cli import GPU_EXTRAS, main_parser
-from ._device import gpu
+from ._cli import main_parser
+from ._device import GPU_EXTRAS, gpu, require_gpu, with_hint
 
 
 def _table(title, table):
@@ -27,7 +27,7 @@ def check():
     cp, what = gpu()
     xp, where = (np, "the NumPy path (CPU)") if cp is None else (cp, f"the GPU ({what})")
     if cp is None:
-        print(f"{what}: checking the NumPy path; for the kernels, {GPU_EXTRAS}")
+        print(f"{with_hint(what)}. Checking the NumPy path.")
     grads = _check.gradient_table(xp)
     bad = _table(f"\n1. gradients on {where}: each backward output against central finite "
                  "differences of the forward, float64", grads)
@@ -90,9 +90,10 @@ def main(argv=None):
     if args.command == "docs":
         return docs()
     if args.command == "bench":
-        cp, what = gpu()
-        if cp is None:
-            print(f"the benchmark needs a GPU: {what}; {GPU_EXTRAS}", file=sys.stderr)
+        try:
+            require_gpu("the benchmark")
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
             return 1
         from . import bench
 

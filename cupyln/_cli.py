@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-GPU_EXTRAS = ('install CuPy with cupyln\'s extra for your GPU: pip install "cupyln[cuda13]" '
-              '(CUDA 13.x), "cupyln[cuda12]" (CUDA 12.x) or "cupyln[rocm]" (ROCm 7.0)')
+from ._device import GPU_EXTRAS
 
 CHECK_DESCRIPTION = """\
 Check cupyln's numbers and print what was checked, one line per output (the default command).

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+GPU_EXTRAS = ('install CuPy with cupyln\'s extra for your GPU: pip install "cupyln[cuda13]" '
+              '(CUDA 13.x), "cupyln[cuda12]" (CUDA 12.x) or "cupyln[rocm]" (ROCm 7.0)')
+
 
 def gpu():
     """(cupy module, device name) when a GPU is usable, else (None, reason)."""
@@ -19,5 +22,10 @@ def gpu():
 def require_gpu(what):
     cp, why = gpu()
     if cp is None:
-        raise RuntimeError(f"{what} needs a GPU: {why}")
+        raise RuntimeError(f"{what} needs a GPU: {with_hint(why)}")
     return cp
+
+
+def with_hint(why):
+    """Why no GPU is usable, and, where CuPy is missing, which extra brings it."""
+    return f"{why}; {GPU_EXTRAS}" if "No module named 'cupy'" in why else why
