@@ -665,7 +665,6 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     """``torch.nn.functional.layer_norm`` through cupyln's kernels; differentiable in x, weight
     and bias. Output in x's dtype (float32 weights with 16-bit x are fine). ``weight_offset``:
     scale by ``weight + weight_offset``. Errors as ``cupyln.layer_norm_fwd``."""
-    _tensors(x=x, weight=weight, bias=bias)
     return _norm(x, weight, bias, _shape(normalized_shape), float(eps), True,
                  float(weight_offset), deterministic)
 
@@ -675,9 +674,12 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
              deterministic: bool = False) -> Tensor:
     """``torch.nn.functional.rms_norm`` through cupyln's kernels (``eps=None``: the machine
     epsilon of x's dtype, as torch). ``weight_offset=1.0``: Gemma's ``(1 + weight)``."""
-    _tensors(x=x, weight=weight)
-    return _norm(x, weight, None, _shape(normalized_shape), _eps(eps, x), False,
+    return _norm(x, weight, None, _shape(normalized_shape), _float(eps), False,
                  float(weight_offset), deterministic)
+
+
+def _float(eps):
+    return None if eps is None else float(eps)
 
 
 def _eps(eps, x):
@@ -692,7 +694,6 @@ def add_layer_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence
     residual stream in float32) and ``y = layer_norm(h)`` in one kernel each way. Returns
     ``(y, h)``, both differentiable; x's and residual's gradients come from one backward
     kernel."""
-    _tensors(x=x, residual=residual, weight=weight, bias=bias)
     return _add_norm(x, residual, weight, bias, _shape(normalized_shape), float(eps), True,
                      float(weight_offset), residual_dtype, deterministic)
 
@@ -702,8 +703,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
                  residual_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
                  deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The fused residual add of :func:`add_layer_norm`, for RMSNorm. Returns ``(y, h)``."""
-    _tensors(x=x, residual=residual, weight=weight)
-    return _add_norm(x, residual, weight, None, _shape(normalized_shape), _eps(eps, x), False,
+    return _add_norm(x, residual, weight, None, _shape(normalized_shape), _float(eps), False,
                      float(weight_offset), residual_dtype, deterministic)
 
 
