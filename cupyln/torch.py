@@ -101,6 +101,8 @@ def _stream(device):
                     current if hasattr(current, "__cuda_stream__") else _Protocol(current))
         else:  # CuPy before 14 (ExternalStream is deprecated from 14 on)
             s = cupy.cuda.ExternalStream(current.cuda_stream, device.index)
+        if len(_STREAMS) >= 256:  # wrappers of streams a program made and dropped: made anew
+            _STREAMS.clear()
         _STREAMS[key] = s
     return s
 
