@@ -261,8 +261,8 @@ class Spec(NamedTuple):
         a = self._args()
         names = {**self._bwd_row_names(), "reduce_cols": self._sums()["reduce_cols"],
                  "rowsums": f"norm_bwd_rowsums<{a}>"}
-        # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N: 8x3583
-        # f16 8.7 us against 12.6 for row sums + tiles; the fused add's 8.8 against 13.5)
+        # clusters of `tiles` blocks: for 16-byte vectors and single elements (odd N too, where
+        # they beat row sums + tiles, the fused add's as well)
         if self.tiles > 1 and not self.hip and (self.wide or self.vec == 1):
             names["rowsums_cluster"] = f"norm_bwd_rowsums<{a}, {self.tiles}>"  # few rows
             kern = "norm_bwd_add_cluster" if self.residual else "norm_bwd_cluster"

@@ -221,8 +221,8 @@ template <typename T> __device__ __forceinline__ int peel_head(const T* row) {
 // VEC, head < VEC, head + a + VEC <= N), converted to C; `fill` where p is NULL. Where p is
 // aligned to packs (`aligned`, the caller's test) and a + 2 * VEC <= N: the two aligned packs at
 // a and a + VEC shifted down by head elements (whole words, then half a word); else one load
-// per element. For the backward, which holds the result across a block's rows (37459x3583 bf16
-// 347 -> 304 us); a forward of one row per block lost with it (234 -> 238 us).
+// per element. For the backward, which holds the result across a block's rows; a forward of one
+// row per block, which does not, lost with it.
 template <int VEC, typename W, typename C>
 __device__ __forceinline__ void peeled_params(const W* __restrict__ p, cl_i64 a, int head,
                                               cl_i64 N, bool aligned, C fill, C (&out)[VEC]) {
@@ -280,8 +280,8 @@ __device__ __forceinline__ void load_packs(const T* __restrict__ row, cl_i64 c0,
 }
 
 // A row's vectors as kept in registers: bfloat16 stays packed (each use converts with a shift or
-// a mask), other types are converted once (float16 conversions are not free: measured slower
-// packed, 4096x8192 f16 51.1 vs 42.7 us).
+// a mask), other types are converted once (float16 conversions are not free: packed, it was
+// slower).
 template <typename T, int VEC> struct RowVec { typedef Vals<typename Acc<T>::type, VEC> type; };
 template <int VEC> struct RowVec<cl_bf16, VEC> { typedef Pack<cl_bf16, VEC> type; };
 
@@ -335,7 +335,7 @@ __device__ __forceinline__ void copy16_async(unsigned int s, const void* src, bo
 // block (gamma, the same columns for every row of a block): the threads of row 0 copy into
 // dst[k * blockDim.x + threadIdx.x] through L1; the other rows read those slots after a barrier.
 // (Every thread copying gamma itself sent every block's copies of the same few lines to L2 at
-// once: 131072x64 RMSNorm 40.9 us against 25.9 with gamma read from global memory.)
+// once, slower than reading gamma from global memory.)
 template <int VEC, int NPT, bool PER_BLOCK = false, typename T, typename P>
 __device__ __forceinline__ void stage_packs(P* dst, const T* __restrict__ row, cl_i64 c0,
                                             cl_i64 N, bool valid) {

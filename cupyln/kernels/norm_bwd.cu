@@ -70,8 +70,8 @@ __device__ __forceinline__ void flush_params(const C (&acc_g)[NPT][VEC],
         }
       } else if (((size_t)dgamma | (size_t)dbeta) % sizeof(Pack<W, VEC>) == 0) {
         // the only block of these columns (DIRECT): its sums are dgamma/dbeta, stored as
-        // vectors where both are aligned (the 1x1048576 bf16 backward kernel: 6.0 us, against
-        // 16.3 per element)
+        // vectors where both are aligned (per element, a long row's stores took longer than
+        // its reads)
         if (want_g) store_vec<VEC>(dgamma + col, acc_g[k]);
         if (want_b) store_vec<VEC>(dbeta + col, acc_b[k]);
       } else {  // DIRECT, into dgamma/dbeta given unaligned (out=)
@@ -205,11 +205,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
   // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
   constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
-  // ADD's dres: staged with x and dy at two or more vectors per thread (16384x8192 bf16 333 ->
-  // 301 us, 4096x32768 f16 clusters 380 -> 270), loaded with them on direct rows (131072x64
-  // f16 31.4 -> 28.6), and at the dx store on staged rows of one vector per thread (staged
-  // there, 4096x4096 f16 50.4 -> 54.5, RMS 131072x4096 bf16 1093 -> 1147). The host's
-  // staging_bytes agrees.
+  // ADD's dres: staged with x and dy at two or more vectors per thread, loaded with them on
+  // direct rows, and at the dx store on staged rows of one vector per thread (staged there, it
+  // lost). The host's staging_bytes agrees.
   constexpr bool DRES_STAGED = ADD && STAGED && NPT > 1;
   constexpr bool DRES_EARLY = DRES_STAGED || (ADD && !STAGED);
   constexpr int ROWS_IN = DRES_STAGED ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
@@ -564,10 +562,8 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 // gstage, read where the kernel's gamma is not null), read twice from there by norm_bwd_grid:
 // its two sums (s) with this thread's dgamma/dbeta terms added, then dx = g * rs - (xhat * a +
 // b) as bwd_rows'. 16-bit LayerNorm reads one vector at a time (hoisted together, the loads
-// spilled: 370.6 against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so).
-// norm_bwd_resident keeps the same passes inline: through these helpers ptxas spilled more
-// there (16-bit: 16-24 bytes against 8-16; an earlier form of them ran RMS 512x262144 bf16 at
-// 298.1 against 288.8 us).
+// spilled; RMSNorm and float32 lost a little so). norm_bwd_resident keeps the same passes
+// inline: through these helpers ptxas spilled more there (16-bit: 16-24 bytes against 8-16).
 template <bool LN, typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
 __device__ __forceinline__ void smem_row_vec(const SmemRow<P>& px, const SmemRow<P>& pdy,
@@ -648,8 +644,8 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
 // when the row starts (cln::dresidual_staged, where the planner has room for it: none beside
 // 1024 threads' x, dy and float32 gamma), else (cln::dresidual) fetched into L2 then and
 // read from there. The flush is bwd_rows' (partials, atomics, or one row of blocks). Staged is
-// known at compile time: decided at run time it spilled 8 bytes more, and LayerNorm bf16 at
-// 512x262144 took 512 against 450 us.
+// known at compile time: decided at run time it spilled 8 bytes more, a flag whose reload
+// queued behind the copies.
 template <typename T, typename W, bool LN, int NPT, int WARP, int CL, int ADD = 0>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_resident(CLN_BWD_PARAMS) {
@@ -670,7 +666,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
                             + (ADD == cln::dresidual_staged ? NPT * threads * sizeof(P) : 0u);
   require_dynamic_smem(held);
   // cln::dresidual keeps the run-time test (false as planned): without it ptxas spilled 40
-  // bytes, not 8 (RMSNorm bf16 with float32 gamma, 512x262144: 519 against 392 us)
+  // bytes, not 8
   const bool dres_staged = ADD == cln::dresidual_staged
                            || (ADD && dynamic_smem_bytes() >= held + NPT * threads * sizeof(P));
   const cl_i64 c0 = (cl_i64)blockIdx.y * threads * NPT * VEC;  // this block's column tile
@@ -725,8 +721,8 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
       P xk, dk;
       G gk;
       C mk;
-      // 16-bit LayerNorm: one vector's loads at a time (hoisted together, they spilled: 370.6
-      // against 335.7 us at 512x262144 bf16; RMSNorm and float32 lost 1-3% so)
+      // 16-bit LayerNorm: one vector's loads at a time (hoisted together, they spilled;
+      // RMSNorm and float32 lost a little so)
       if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
       at(k, xk, dk, gk, mk);
 #pragma unroll
@@ -1016,7 +1012,7 @@ norm_bwd_reduce(const C* __restrict__ partial, cl_i64 P, cl_i64 N, W* __restrict
 // The same sums for long rows (2N columns, few rows of partials; N a multiple of 4): four
 // adjacent columns per thread, each with all eight of partial_groups' groups, added in the same
 // order (the same bits), loaded 16 bytes at a time. norm_bwd_reduce's 32 columns per block gave
-// 1x1048576 bf16 65536 blocks of mostly idle threads: 55 us, bound by block launches.
+// a long row tens of thousands of blocks of mostly idle threads, bound by block launches.
 template <typename C, typename W>
 __global__ void __launch_bounds__(256)
 norm_bwd_reduce_cols(const C* __restrict__ partial, cl_i64 P, cl_i64 N,
