@@ -197,3 +197,19 @@ def test_another_dtype_than_the_weights_runs_the_stock_forward():
     ct.patch(torch.nn.Sequential(norm))
     x = torch.randn(3, 64, dtype=torch.bfloat16)  # float32 weight: torch's promotion, as stock
     assert torch.equal(norm(x), stock(x)) and norm(x).dtype == torch.float32
+
+
+def test_the_example_trains_as_the_stock_model(capsys):
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "examples"))
+    try:
+        import train_hf
+    finally:
+        sys.path.pop(0)
+    assert train_hf.main(["--model", "qwen3", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3: 9 norm modules swapped" in out  # 2 layers x (2 + q_norm, k_norm) + final
+    gap = float(out.rsplit("largest gap at any step ", 1)[1])
+    assert gap < 1e-4
