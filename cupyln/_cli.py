@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from ._device import GPU_EXTRAS
 
@@ -18,11 +19,11 @@ path, whose lower-precision outputs are the float64 reference rounded once.
 
 Exit status 0 when every output is within its tolerance, else 1."""
 
-BENCH_DESCRIPTION = f"""\
+BENCH_DESCRIPTION = """\
 Benchmark cupyln against PyTorch and Liger-Kernel (where installed) on one GPU, in one process:
 device time (CUDA events, cold L2), GB/s and the fraction of the device-to-device copy
 bandwidth measured in the same run, host time per call and first-call compile latency.
-Needs a GPU: {GPU_EXTRAS}."""
+""" + textwrap.fill(f"Needs a GPU: {GPU_EXTRAS}.", 95)
 
 BENCH_SCHEMA = """\
 JSON output (schema 1): {schema, device, copy_GBs, versions: {cupyln, cupy, torch, liger},
