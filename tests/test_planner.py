@@ -1,5 +1,8 @@
 """The planner's geometry and layout decisions, checked on the CPU (no GPU needed)."""
 
+import json
+import os
+import pathlib
 from typing import NamedTuple
 
 import numpy as np
@@ -1174,3 +1177,37 @@ def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inp
                 for a, ld in arrays for at in starts for r in range(2 * wide))
     alike = alike and all((b - starts[0]) % 16 == 0 for b in starts)
     assert _layout.peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
+
+
+# The golden table: each benchmark shape's plan per architecture on the mocked devices, so that
+# a refactor of the planner that changes a plan shows which. CUPYLN_WRITE_GOLDEN=1 rewrites it
+# (then the diff of tests/golden_plans.json is the change to review).
+GOLDEN = pathlib.Path(__file__).with_name("golden_plans.json")
+ARCHS = {"sm_90": dict(warp=32), "sm_80": dict(warp=32, clusters=False),
+         "cdna": dict(warp=64, hip=True), "rdna": dict(warp=32, hip=True)}
+
+
+def _golden_rows():
+    shapes = json.loads((pathlib.Path(_plan.__file__).parent / "benchmark_shapes.json")
+                        .read_text())
+    rows = {}
+    for arch, kw in ARCHS.items():
+        for op in ("layernorm", "rmsnorm"):
+            for M, N, dt in shapes[op]:
+                for pass_ in ("fwd", "bwd"):
+                    plan, _ = _plan_without_gpu(pass_, dt, M, N, is_ln=op == "layernorm",
+                                                **kw)
+                    s = plan.spec
+                    rows[f"{arch} {op} {pass_} {M}x{N} {dt}"] = (
+                        f"{plan.variant} grid {list(plan.grid)} block {list(plan.block)} "
+                        f"smem {plan.smem} vec {s.vec} npt {s.npt} tiles {s.tiles} tpr {s.tpr}")
+    return rows
+
+
+def test_benchmark_shapes_plan_as_the_golden_table():
+    rows = _golden_rows()
+    if os.environ.get("CUPYLN_WRITE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(rows, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    changed = {k: (golden.get(k), v) for k, v in rows.items() if golden.get(k) != v}
+    assert not changed and set(golden) == set(rows), changed
