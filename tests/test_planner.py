@@ -1179,8 +1179,9 @@ def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inp
     assert _layout.peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
 
 
-# The golden table: each benchmark shape's plan per architecture on the mocked devices, so that
-# a refactor of the planner that changes a plan shows which. CUPYLN_WRITE_GOLDEN=1 rewrites it
+# The golden table: each benchmark shape's plan per architecture on the mocked devices (their
+# facts: 132 SMs, 64-register kernels, one cluster of up to 16 blocks at a time), so that a
+# refactor of the planner that changes a plan shows which. CUPYLN_WRITE_GOLDEN=1 rewrites it
 # (then the diff of tests/golden_plans.json is the change to review).
 GOLDEN = pathlib.Path(__file__).with_name("golden_plans.json")
 ARCHS = {"sm_90": dict(warp=32), "sm_80": dict(warp=32, clusters=False),
