@@ -223,10 +223,8 @@ def _native_forward(is_ln, x, weight, bias, residual, y, mean, rstd, h, k, eps, 
 def _native_backward(is_ln, dy, x, weight, mean, rstd, dresidual, dx, dweight, dbias,
                      deterministic, weight_offset):
     """The C++ layer's backward where it has no recipe: run here, the recipe handed back."""
-    need = (dx is not None, dweight is not None, dbias is not None)
-    head = (("ln_bwd", *need) if is_ln else ("rms_bwd", *need[:2], False)) + (
-        deterministic, weight_offset)
-    hot = _bwd(head, dy, x, weight, mean, rstd, dresidual, (dx, dweight, dbias), weight_offset)
+    hot = _bwd(dy, x, weight, mean, rstd, dresidual, (dx, dweight, dbias), deterministic,
+               weight_offset)
     return None if hot is None else hot.native()
 
 
@@ -406,19 +404,20 @@ def _ln_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rst
                  weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None, need_dbias)
     grads = _grads(x, weight, mean, need)
-    _bwd(("ln_bwd", *need, deterministic, weight_offset), dy, x, weight, mean, rstd, dresidual,
-         grads, weight_offset)
+    _bwd(dy, x, weight, mean, rstd, dresidual, grads, deterministic, weight_offset)
     return _filled(grads, x)
 
 
-def _bwd(head, dy, x, weight, mean, rstd, dresidual, grads, weight_offset):
-    """The backward into ``grads`` (None where not needed; ``head``: the op, its flags);
-    returns the call's prepared pass, None where it has none."""
-    if not any(g is not None for g in grads):
+def _bwd(dy, x, weight, mean, rstd, dresidual, grads, deterministic, weight_offset):
+    """The backward into ``grads`` (dx, dgamma, dbeta; None where not needed; RMSNorm where
+    ``mean`` is None); returns the call's prepared pass, None where it has none."""
+    need = tuple(g is not None for g in grads)
+    if not any(need):
         return None
-    key = _signature(head, (dy, x, weight, mean, rstd, dresidual))
+    key = _signature(("rms" if mean is None else "ln", *need, deterministic, weight_offset),
+                     (dy, x, weight, mean, rstd, dresidual))
     if not _launched(key, (dy, x, weight, mean, rstd, dresidual, *grads)):
-        _run(key, api._bwd, dy, x, weight, mean, rstd, *head[1:5],
+        _run(key, api._bwd, dy, x, weight, mean, rstd, *need, deterministic,
              out=grads if mean is not None else grads[:2], config=None, dresidual=dresidual,
              weight_offset=weight_offset)
     return _PREPARED.get(key)
@@ -435,8 +434,7 @@ def _rms_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, ne
                   weight_offset: float = 0.0) -> tuple[Tensor, Tensor]:
     need = (need_dx, need_dweight and weight is not None)
     grads = _grads(x, weight, rstd, need)
-    _bwd(("rms_bwd", *need, False, deterministic, weight_offset), dy, x, weight, None, rstd,
-         dresidual, (*grads, None), weight_offset)
+    _bwd(dy, x, weight, None, rstd, dresidual, (*grads, None), deterministic, weight_offset)
     return _filled(grads, x)
 
 
