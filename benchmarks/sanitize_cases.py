@@ -10,7 +10,7 @@ same shapes, staged backward rows or none. Exits non-zero when an output misses 
 tolerance. CUPYLN_SANITIZE_K (a regular expression) runs only the cases whose "op MxN dtype"
 it finds, CUPYLN_SANITIZE_VARIANTS ("4,5": indices into VARIANTS) only those variants, and
 CUPYLN_SANITIZE_SHARD ("i/n") every n-th (case, variant) pair of those, from the i-th;
-CUPYLN_SANITIZE_CONFIG (JSON: {"fwd": FwdConfig fields, "bwd": BwdConfig fields})
+CUPYLN_SANITIZE_CONFIG (JSON: Config switches and fwd_<row> / bwd_<row> planner rows)
 changes every variant's config, to check variants switched off by default.
 """
 
@@ -21,7 +21,8 @@ import sys
 
 import cupy as cp
 
-from cupyln import BwdConfig, Config, FwdConfig, check
+from cupyln import check
+from cupyln._config import config_of
 
 CASES = [  # (op, M, N, dtype, param dtype)
     ("layernorm", 9, 24, "float16", "float32"),      # short rows, several per block
@@ -94,15 +95,13 @@ for (op, M, N, dt, wdt), (det, atomic, stage, csum, fused) in pairs:
     # rows held in a cluster's shared memory for any M, without csum in short rings, and
     # peeled rows past one block of 4 vectors per thread not in parts: 8 vectors or chunks
     resident = {} if csum else dict(resident_rows=0, resident_slots=9, peel_parts_rows=0)
-    config = Config(fwd=FwdConfig(stage=stage, parts_rows=parts, parts_rows_add=parts,
-                                  cluster_long_min_rows=0,
-                                  **{**resident, **FIELDS.get("fwd", {})}),
-                    bwd=BwdConfig(stage=stage, atomic_flush=atomic, cluster_sums=csum,
-                                  parts_rows=parts,  # (the backward's default is 0.5)
-                                  # peeled rows: few too
-                                  peel_rows=8 if csum else 0,
-                                  peel_tile_rows=4 if csum else 0,
-                                  **FIELDS.get("bwd", {})))
+    config = config_of(**{
+        "stage": stage, "atomic_flush": atomic, "fwd_parts_rows": parts,
+        "fwd_parts_rows_add": parts, "fwd_cluster_long_min_rows": 0,
+        **{f"fwd_{k}": v for k, v in resident.items()},
+        "bwd_cluster_sums": csum, "bwd_parts_rows": parts,  # (the backward's default is 0.5)
+        "bwd_peel_rows": 8 if csum else 0, "bwd_peel_tile_rows": 4 if csum else 0,  # few too
+        **FIELDS})
     rows = check.check(cp, op, M, N, dt, wdt, deterministic=det, config=config,
                         fused=fused)
     cp.cuda.Device().synchronize()

@@ -8,7 +8,7 @@ functions and modules.
 
 from __future__ import annotations
 
-from ._config import BwdConfig, Config, FwdConfig
+from ._config import Config
 from ._dtypes import SUPPORTED_DTYPES
 from .api import clear_caches, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 
@@ -33,9 +33,7 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=None, 
 
 __all__ = [
     "SUPPORTED_DTYPES",
-    "BwdConfig",
     "Config",
-    "FwdConfig",
     "clear_caches",
     "layer_norm_bwd",
     "layer_norm_fwd",

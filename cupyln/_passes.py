@@ -384,7 +384,7 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
             vec = add_vec(x.dtype, vec)
         plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,
                               drr is not None, peel)
-        partials = deterministic or not config.bwd.atomic_flush
+        partials = deterministic or not config.atomic_flush
         dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
                        dynamic, ldx, lddy, M, N, ldres)

@@ -15,9 +15,10 @@ from typing import NamedTuple
 
 from . import _compile, _driver
 from ._compile import Spec
-from ._config import DEFAULT, BwdConfig, Config, FwdConfig
+from ._config import DEFAULT, Config
 from ._driver import Launcher
 from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, add_vec, h_dtypes, vec_options
+from ._tuning import BwdRows, FwdRows, Settings, family, settings
 
 PLAN_CACHE_SIZE = 1024  # signatures kept per pass; a loop over many sequence lengths evicts
 
@@ -84,16 +85,16 @@ def spread(g, M, warp, blocks):
     return g._replace(rpb=max(unit, min(g.rpb, round_up(cdiv(M, max(1, blocks)), unit))))
 
 
-def fwd_geometry(cfg: FwdConfig, nvec, warp):
+def fwd_geometry(cfg: FwdRows, nvec, warp):
     return row_geometry(nvec, warp, cfg.npt, cfg.npt, cfg.tpr_max, cfg.block, cfg.short_block)
 
 
-def fwd_small_geometry(cfg: FwdConfig, nvec, warp):
+def fwd_small_geometry(cfg: FwdRows, nvec, warp):
     """One vector per thread (small M, rows within a warp)."""
     return row_geometry(nvec, warp, 1, 1, cfg.tpr_max, cfg.block, cfg.short_block)
 
 
-def bwd_geometry(cfg: BwdConfig, nvec, warp):
+def bwd_geometry(cfg: BwdRows, nvec, warp):
     g = row_geometry(nvec, warp, cfg.npt_min, cfg.npt, cfg.tpr_max, cfg.block)
     return g._replace(rpb=max(1, min(g.rpb, bwd_threads(g.npt) // g.tpr)))
 
@@ -112,7 +113,7 @@ def colsum_bytes(g, rpb, vec, dtype):
     return g.tpr * rpb * vec * ACC_DTYPES[dtype].itemsize if rpb > 1 else 0
 
 
-def row_kernel_widths(cfg: FwdConfig, warp, npt=1):
+def row_kernel_widths(cfg: FwdRows, warp, npt=1):
     """The row threads norm_fwd_row is built for at ``npt`` vectors per thread: for one, powers
     of two below a warp (rows stacked, ``row_short``) and 1 to ``row_warps`` whole warps; for
     the general path's ``npt``, 2 to ``row_npt_warps`` whole warps within those."""
@@ -128,6 +129,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     CUDA or (``hip``) ROCm, which has neither cp.async staging nor clusters; ``clusters``
     (default: CUDA's) False for a CUDA device without them (before sm_90)."""
     clusters = not hip if clusters is None else clusters and not hip
+    config = settings(config, family(hip, warp, clusters))
     names = set()
     for t, w in PARAM_PAIRS:
         for ln, v in itertools.product((True, False), vec_options(t)):
@@ -138,7 +140,7 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     return names
 
 
-def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
+def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
     """(spec, pass) of every forward kernel of one (dtypes, norm, vector width) ``s``."""
     add = add_vec(s.dtype, s.vec) == s.vec  # a width the fused add runs at
     if s.wide and clusters:  # rows split over a cluster
@@ -168,7 +170,7 @@ def _fwd_specs(cfg: FwdConfig, s: Spec, clusters):
             yield s._replace(npt=cfg.npt, peeled=True, hdtype=h), "fwd_long"
 
 
-def _bwd_specs(cfg: BwdConfig, s: Spec, clusters):
+def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
     """(spec, pass) of every backward kernel of one (dtypes, norm, vector width) ``s``."""
     add = add_vec(s.dtype, s.vec) == s.vec
     residuals = (False, True) if add else (False,)  # and the fused add's
@@ -286,16 +288,17 @@ def stages(mode, rule):
     return mode == "always" or (mode == "auto" and rule)
 
 
-def _staged(cfg: FwdConfig, info, kern, dtype, vec, g, M, alone=True):
+def _staged(mode, info, kern, dtype, vec, g, M, alone=True):
     """(dynamic shared memory, grid) of the forward's rows staged by ``kern``: resident blocks
-    looping over the rows, where ``cfg.stage`` says so ("auto": the rows outnumber the resident
-    blocks', and ``alone``, for aligned rows: one direct block fills an SM, so nothing else
-    hides its reductions) and one block's shared memory holds the two buffers; else None."""
+    looping over the rows, where the config's stage ``mode`` says so ("auto": the rows outnumber
+    the resident blocks', and ``alone``, for aligned rows: one direct block fills an SM, so
+    nothing else hides its reductions) and one block's shared memory holds the two buffers;
+    else None."""
     stage = staging_bytes(info, dtype, vec, g.npt, g.tpr, g.rpb)
     if not stage or stage + 1024 > info.smem_per_sm:
         return None
     resident = info.sms * blocks_per_sm(kern, g.tpr * g.rpb, stage, info)
-    if not stages(cfg.stage, alone and M > resident * g.rpb):
+    if not stages(mode, alone and M > resident * g.rpb):
         return None
     return stage, (min(cdiv(M, g.rpb), resident),)
 
@@ -391,7 +394,7 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     is x's dtype, on the same geometry but never staged."""
     cfg, wp = config.fwd, info.warp
     vec = 16 // dtype.itemsize
-    if not cfg.peel or N < 2 * vec or hdtype not in (None, dtype):
+    if not config.peel or N < 2 * vec or hdtype not in (None, dtype):
         return None
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
     rows = cfg.peel_parts_rows if hdtype is None else cfg.parts_rows_add
@@ -415,8 +418,8 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
     grid, block, smem = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb), 0
     # staged wherever the rows outnumber the resident blocks: the direct kernel spills
-    staged = "fwd_peeled_staged" in kerns and _staged(cfg, info, kerns["fwd_peeled_staged"],
-                                                      dtype, vec, g, M)
+    staged = "fwd_peeled_staged" in kerns and _staged(config.stage, info,
+                                                      kerns["fwd_peeled_staged"], dtype, vec, g, M)
     if staged:
         main, (smem, grid) = "fwd_peeled_staged", staged
     elif (cfg.peel_chunked and g.npt > cfg.npt
@@ -441,7 +444,7 @@ def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     more), one row per cluster at a time; None where ``peel_cluster`` or the rules say no, or
     the driver cannot place such a cluster."""
     cfg, vec = config.fwd, 16 // dtype.itemsize
-    tiles = cfg.peel_cluster and fwd_cluster_tiles(cfg, info, dtype, is_ln, None, vec, g, M, N)
+    tiles = cfg.peel_cluster and fwd_cluster_tiles(config, info, dtype, is_ln, None, vec, g, M, N)
     if not tiles:
         return None
     block = (round_up(cdiv(N // vec, tiles * cfg.npt), info.warp), 1)
@@ -485,7 +488,9 @@ def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=Non
 
 
 def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
-    info, cfg = device_info(dev_id), config.fwd
+    info = device_info(dev_id)
+    config = settings(config, family(info.hip, info.warp, info.clusters))
+    cfg = config.fwd
     peeled = _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype) if peel \
         else None
     if peeled is not None:
@@ -513,7 +518,7 @@ def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
     block, smem = (g.tpr, g.rpb), 0
     if main == "fwd" and "fwd_staged" in kerns:
         alone = blocks_per_sm(kerns[main], g.tpr * g.rpb, 0, info) == 1
-        staged = _staged(cfg, info, kerns["fwd_staged"], dtype, vec, g, M, alone)
+        staged = _staged(config.stage, info, kerns["fwd_staged"], dtype, vec, g, M, alone)
         if staged:
             main, (smem, grid) = "fwd_staged", staged
     if main == "fwd" and "fwd_early" in kerns and cfg.early:
@@ -524,7 +529,7 @@ def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def cluster_sizes(cfg: FwdConfig | BwdConfig):
+def cluster_sizes(cfg: FwdRows | BwdRows):
     """The blocks per cluster a pass splits long rows over, fewest first (the portable size,
     then the larger one where on)."""
     return tuple(t for t in (cfg.cluster_tiles, cfg.cluster_tiles_long) if t > 1)
@@ -537,19 +542,20 @@ def split_order(fits, M, split_rows):
     return fits[::-1] if M <= split_rows else fits[:1]
 
 
-def fwd_cluster_sizes(cfg: FwdConfig, is_ln, hdtype):
+def fwd_cluster_sizes(cfg: FwdRows, is_ln, hdtype):
     """The forward's cluster sizes: the larger one for RMSNorm alone, without the fused add
     (the cases it was measured to win)."""
     sizes = cluster_sizes(cfg)
     return sizes if not is_ln and hdtype is None else sizes[:1]
 
 
-def fwd_cluster_tiles(cfg: FwdConfig, info, dtype, is_ln, hdtype, vec, g, M, N):
+def fwd_cluster_tiles(config: Settings, info, dtype, is_ln, hdtype, vec, g, M, N):
     """The blocks of the cluster that forward rows of geometry ``g`` split over: sm_90, 16-byte
     vectors, rows longer than one block holds, the fewest blocks whose one chunk holds the row
     (x read once; more than 8 for at least ``cluster_long_min_rows`` rows); 0 where none
     does."""
-    if not (info.clusters and cfg.cluster and vec * dtype.itemsize == 16 and not g.fits):
+    cfg = config.fwd
+    if not (info.clusters and config.cluster and vec * dtype.itemsize == 16 and not g.fits):
         return 0
     tiles = next((t for t in fwd_cluster_sizes(cfg, is_ln, hdtype)
                   if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
@@ -564,7 +570,7 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     at once (``_few_row_tiles``). None where the rules say no or the driver cannot place such a
     cluster (longer rows: in parts over the grid where few, else a block each)."""
     cfg = config.fwd
-    tiles = fwd_cluster_tiles(cfg, info, dtype, is_ln, hdtype, vec, g, M, N)
+    tiles = fwd_cluster_tiles(config, info, dtype, is_ln, hdtype, vec, g, M, N)
     if not tiles:
         return None
     if hdtype is None and tiles == cfg.cluster_tiles and cfg.small_m and cfg.npt > 1:
@@ -584,7 +590,7 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
     return _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, cfg.npt)
 
 
-def _few_row_tiles(cfg: FwdConfig, M):
+def _few_row_tiles(cfg: FwdRows, M):
     """The cluster sizes, first choice first, of ``M`` forward rows of one vector per thread
     that ``cluster_tiles`` blocks hold (``split_order``)."""
     fits = tuple(t for t in cluster_sizes(cfg) if t >= cfg.cluster_tiles)
@@ -606,7 +612,7 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
         stage = staging_bytes(info, dtype, vec, npt, block[0], 1)
         resident = _driver.max_active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
                                                stage)
-        if resident and stages(cfg.stage, M > resident):
+        if resident and stages(config.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
     full = main + "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
     if full in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0 \
@@ -624,7 +630,7 @@ def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     holds, at most two rows'. None elsewhere (16 blocks of rows in registers, or parts)."""
     cfg = config.fwd
     npt = cfg.resident_npt
-    if not (npt and info.clusters and info.async_copy and cfg.cluster and hdtype is None
+    if not (npt and info.clusters and info.async_copy and config.cluster and hdtype is None
             and vec * dtype.itemsize == 16
             and N // vec > cfg.cluster_tiles * cfg.tpr_max * cfg.npt):
         return None
@@ -707,7 +713,7 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
     ``tile_tpr``-thread tiles after the row sums kernel."""
     cfg = config.bwd
     most = bwd_threads(cfg.cluster_npt)
-    sizes = cluster_sizes(cfg) if info.clusters and cfg.cluster else ()
+    sizes = cluster_sizes(cfg) if info.clusters and config.cluster else ()
     fits = [t for t in sizes if cdiv(N // vec, t * cfg.cluster_npt) <= most]
     for tiles in split_order(fits, M, cfg.cluster_split_rows):
         spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles,
@@ -719,14 +725,14 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
         if _driver.max_active_clusters(kerns["bwd_cluster"], (1, tiles), (tpr, 1), 0) > 0:
             return spec, kerns, (tpr, 1), tiles, True
     # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
-    tiles = cfg.cluster_tiles if info.clusters and cfg.cluster else 1
+    tiles = cfg.cluster_tiles if info.clusters and config.cluster else 1
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
                 residual=residual)
     kerns = _compile.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
 
 
-def _reduce_launcher(cfg: BwdConfig, kerns, N):
+def _reduce_launcher(cfg: BwdRows, kerns, N):
     """The sum of the partials: four columns per thread over rows of at least
     ``reduce_cols_n`` elements (a multiple of 4) where the module has that kernel, else 32
     columns per block of eight row groups (the same order, the same bits)."""
@@ -736,7 +742,7 @@ def _reduce_launcher(cfg: BwdConfig, kerns, N):
     return Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
 
 
-def _rowsums_launchers(info, cfg: BwdConfig, kerns, M, N, spec):
+def _rowsums_launchers(info, cfg: BwdRows, kerns, M, N, spec):
     """The row sums before column tiles: for at most ``sms * parts_rows`` rows of at least
     ``parts_chunks`` chunks of one block, in parts over the grid (about ``parts_per_sm``
     blocks per SM; "rowsums" writes each part's sums, "rowsums_merge" adds them); else, for
@@ -770,7 +776,7 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     ``residual``: the same plans on the kernels that add the fused add's dresidual to dx."""
     cfg, wp = config.bwd, info.warp
     vec = 16 // dtype.itemsize
-    if not cfg.peel or N < 2 * vec:
+    if not config.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
     if not g.fits:
@@ -810,7 +816,9 @@ def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=F
 
 
 def _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
-    info, cfg = device_info(dev_id), config.bwd
+    info = device_info(dev_id)
+    config = settings(config, family(info.hip, info.warp, info.clusters))
+    cfg = config.bwd
     peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual) if peel \
         else None
     if peeled is not None:
@@ -850,11 +858,11 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
     grid, smem = grid_of(kerns[main], colsum), colsum
     stage = staging_bytes(info, dtype, vec, spec.npt, block[0], block[1], wdtype, residual)
     loops = block[0] > info.warp and M > grid[0] * block[1]
-    if stage and stages(cfg.stage, loops) and main + "_staged" in kerns:
+    if stage and stages(config.stage, loops) and main + "_staged" in kerns:
         main += "_staged"
         smem = max(colsum, stage)
         grid = grid_of(kerns[main], smem)
-    dyn = _takes_tickets(cfg, kerns, main, block, tiles, M, info.warp)
+    dyn = _takes_tickets(config.dynamic, kerns, main, block, tiles, M, info.warp)
     if dyn:  # on the grid that both kernels fit
         grid = min(grid, grid_of(kerns["bwd_staged_dyn"], smem))
     launch = {}
@@ -882,11 +890,11 @@ def _resident_grid(info, M, block, tiles, cluster, kern, smem):
     return (max(1, min(cdiv(M, block[1]), cdiv(resident, tiles))), tiles)
 
 
-def _takes_tickets(cfg: BwdConfig, kerns, main, block, tiles, M, warp):
+def _takes_tickets(dynamic, kerns, main, block, tiles, M, warp):
     """Whether calls that need not be deterministic take rows from tickets: staged rows that
     span warps (the reductions' block barrier orders the tickets' hand-on), one column tile,
     fewer than 2^31 groups of rows (counted in 32 bits)."""
-    return (cfg.dynamic and main == "bwd_staged" and block[0] > warp and tiles == 1
+    return (dynamic and main == "bwd_staged" and block[0] > warp and tiles == 1
             and cdiv(M, block[1]) < 2**31 and "bwd_staged_dyn" in kerns)
 
 
@@ -898,7 +906,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     rows per cluster that fits at once; None elsewhere (row sums and tiles)."""
     cfg = config.bwd
     npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
-    if not (npt and tiles > 1 and info.clusters and info.async_copy and cfg.cluster
+    if not (npt and tiles > 1 and info.clusters and info.async_copy and config.cluster
             and vec * dtype.itemsize == 16):
         return None
     if N // vec <= tiles * bwd_threads(cfg.cluster_npt) * cfg.cluster_npt or \
@@ -992,7 +1000,8 @@ def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual):
     most = bwd_threads(g.npt) // g.tpr // unit * unit  # rows that one block can hold
     rpb = min(round_up(cdiv(M, cfg.csum_blocks), unit), most)
     # "always" stages wherever it can: this kernel has direct rows only
-    if not (g.fits and info.clusters and cfg.cluster_sums and cfg.stage != "always"
+    if not (g.fits and info.clusters and config.cluster and cfg.cluster_sums
+            and config.stage != "always"
             and M <= cfg.csum_blocks * rpb):
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, cfg.csum_blocks,

@@ -6,6 +6,7 @@ import pytest
 
 import cupyln
 from cupyln import reference as ref
+from cupyln._config import config_of
 from cupyln.check import TOL, dweight_floors, dx_floor, max_err
 
 cp = pytest.importorskip("cupy")
@@ -100,14 +101,6 @@ LAYOUTS = {
 
 
 
-def config_of(**fields):
-    """A Config from ``fwd_<field>`` / ``bwd_<field>`` keywords (the rest default)."""
-    fwd = {k[4:]: v for k, v in fields.items() if k.startswith("fwd_")}
-    bwd = {k[4:]: v for k, v in fields.items() if k.startswith("bwd_")}
-    assert len(fwd) + len(bwd) == len(fields), fields
-    return cupyln.Config(fwd=cupyln.FwdConfig(**fwd), bwd=cupyln.BwdConfig(**bwd))
-
-
 class Plans(list):
     """The plans the calls make, once :meth:`spy` has started recording a pass's planner, and
     the config (:meth:`replan`) the calls are to pass."""
@@ -136,3 +129,11 @@ class Plans(list):
         self.config = config_of(**fields)
         cupyln.clear_caches()
         self.clear()
+
+    @property
+    def rows(self):
+        """The planner's rows (``.fwd``, ``.bwd``) under this config on the current device."""
+        from cupyln import _plan, _tuning
+
+        info = _plan.device_info(cp.cuda.Device().id)
+        return _tuning.settings(self.config, _tuning.family(info.hip, info.warp, info.clusters))

@@ -274,23 +274,44 @@ def test_docstring_examples_run():
     assert result.attempted >= 4 and result.failed == 0
 
 
-@pytest.mark.parametrize("make,field,msg", [
-    (lambda: cupyln.FwdConfig(npt=0), "npt", "at least 1, got 0"),
-    (lambda: cupyln.FwdConfig(tpr_max=100), "tpr_max", "a multiple of 64, got 100"),
-    (lambda: cupyln.FwdConfig(tpr_max=2048), "tpr_max", "from 64 to 1024"),
-    (lambda: cupyln.FwdConfig(block=2048), "block", "from 1 to 1024, got 2048"),
-    (lambda: cupyln.FwdConfig(cluster_tiles=32), "cluster_tiles", "from 0 to 16, got 32"),
-    (lambda: cupyln.BwdConfig(npt_min=2, npt=1), "npt", "at least 2, got 1"),
-    (lambda: cupyln.BwdConfig(tile_tpr=96), "tile_tpr", "a multiple of 64, got 96"),
-    (lambda: cupyln.BwdConfig(csum_blocks=17), "csum_blocks", "from 0 to 16, got 17"),
-    (lambda: cupyln.BwdConfig(cluster_split_rows=-1), "cluster_split_rows", "at least 0, got -1"),
-    (lambda: cupyln.FwdConfig(parts_rows=float("nan")), "parts_rows", "at least 0, got nan")])
-def test_configs_the_kernels_cannot_launch_are_refused_when_made(make, field, msg):
-    """A config field outside what the kernels launch (block threads, counts, cluster sizes)
-    raises a ValueError naming the field when the config is made, before any plan; the
-    defaults and the fields' edges are accepted."""
-    with pytest.raises(ValueError, match=rf"Config\.{field} must be .*{msg}"):
-        make()
-    cupyln.Config(fwd=cupyln.FwdConfig(tpr_max=64, block=1, cluster_tiles=16, parts_rows=0),
-                  bwd=cupyln.BwdConfig(tile_tpr=1024, npt_min=2, npt=2, csum_blocks=0,
-                                       cluster_split_rows=0))
+@pytest.mark.parametrize("rows,field,msg", [
+    (dict(fwd_npt=0), "fwd_npt", "at least 1, got 0"),
+    (dict(fwd_tpr_max=100), "fwd_tpr_max", "a multiple of 64, got 100"),
+    (dict(fwd_tpr_max=2048), "fwd_tpr_max", "from 64 to 1024"),
+    (dict(fwd_block=2048), "fwd_block", "from 1 to 1024, got 2048"),
+    (dict(fwd_cluster_tiles=32), "fwd_cluster_tiles", "from 0 to 16, got 32"),
+    (dict(bwd_npt_min=2, bwd_npt=1), "bwd_npt", "at least 2, got 1"),
+    (dict(bwd_tile_tpr=96), "bwd_tile_tpr", "a multiple of 64, got 96"),
+    (dict(bwd_csum_blocks=17), "bwd_csum_blocks", "from 0 to 16, got 17"),
+    (dict(bwd_cluster_split_rows=-1), "bwd_cluster_split_rows", "at least 0, got -1"),
+    (dict(fwd_parts_rows=float("nan")), "fwd_parts_rows", "at least 0, got nan")])
+def test_configs_the_kernels_cannot_launch_are_refused_when_made(rows, field, msg):
+    """A planner row outside what the kernels launch (block threads, counts, cluster sizes)
+    raises a ValueError naming the row when the config is made, before any plan; the
+    defaults and the rows' edges are accepted."""
+    with pytest.raises(ValueError, match=rf"Config\.tuning: row {field} must be .*{msg}"):
+        cupyln.Config(tuning=rows)
+    cupyln.Config(tuning=dict(fwd_tpr_max=64, fwd_block=1, fwd_cluster_tiles=16,
+                              fwd_parts_rows=0, bwd_tile_tpr=1024, bwd_npt_min=2, bwd_npt=2,
+                              bwd_csum_blocks=0, bwd_cluster_split_rows=0))
+
+
+@pytest.mark.parametrize("kwargs,error,msg", [
+    (dict(stage="sometimes"), ValueError, "Config.stage must be one of"),
+    (dict(cluster=1), TypeError, "Config.cluster must be a bool, got 1"),
+    (dict(tuning=dict(fwd_nothing=1)), ValueError, "names no planner row: .'fwd_nothing'."),
+    (dict(tuning=dict(fwd_npt=2.0)), TypeError, "tuning.'fwd_npt'. must be int, got 2.0"),
+    (dict(tuning=dict(fwd_full=0)), TypeError, "tuning.'fwd_full'. must be bool, got 0"),
+    (dict(tuning=[1, 2]), TypeError, "Config.tuning must be a dict")])
+def test_config_switches_and_rows_of_the_wrong_kind_are_refused(kwargs, error, msg):
+    """A stage not listed, a switch that is not a bool, a row the tables do not have or a value
+    of another type than the row's: refused when the config is made."""
+    with pytest.raises(error, match=msg):
+        cupyln.Config(**kwargs)
+
+
+def test_config_is_hashable_and_its_rows_order_free():
+    """Equal rows in any order make equal, equally hashed configs (the plan caches' keys)."""
+    a = cupyln.Config(tuning={"fwd_npt": 2, "bwd_npt": 4})
+    b = cupyln.Config(tuning={"bwd_npt": 4, "fwd_npt": 2})
+    assert a == b and hash(a) == hash(b) and a != cupyln.Config()

@@ -15,6 +15,7 @@ from gpu_cases import (
 
 import cupyln
 from cupyln import reference as ref
+from cupyln._config import config_of
 from cupyln.check import dx_floor
 
 cp = pytest.importorskip("cupy")
@@ -56,8 +57,7 @@ def test_cuda_graph_capture_and_replay(flush, M, N, given):
     from cupyln import _plan
 
     deterministic = flush == "deterministic"
-    config = cupyln.Config(bwd=cupyln.BwdConfig(atomic_flush=flush == "atomic",
-                                                cluster_sums=flush != "last block"))
+    config = config_of(atomic_flush=flush == "atomic", bwd_cluster_sums=flush != "last block")
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
     xh, dyh, gh, bh = inputs(M, N, F16, F32)
@@ -122,7 +122,7 @@ def test_concurrent_streams_each_get_correct_gradients(plans, atomic, M, N):
     launch (the atomic flush's last block and sums; the dynamic staged rows' tickets,
     6000x1024) running on several streams at once: every call's dgamma/dbeta are those of its
     own inputs."""
-    plans.replan(bwd_atomic_flush=atomic)
+    plans.replan(atomic_flush=atomic)
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
     cases = [inputs(M, N, BF16, F32, seed=10 * i) for i in range(len(streams))]
     results = [[] for _ in streams]

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cupyln
+from cupyln import _tuning
 from cupyln import reference as ref
 from cupyln.check import dx_floor
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.gpu
 # --------------------------------------------------------------------------- atomic flush
 
 
-ATOMIC = cupyln.Config(bwd=cupyln.BwdConfig(atomic_flush=True))
+ATOMIC = cupyln.Config(atomic_flush=True)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -151,7 +152,7 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
     plans.spy("bwd")
     dxs, det, grids = {}, {}, {}
     for on in (True, False):
-        plans.replan(bwd_dynamic=on)
+        plans.replan(dynamic=on)
         dxs[on] = []
         for i, params in enumerate((True, True, False, True)):
             outs = bwd(False, params)
@@ -297,13 +298,13 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
     plans.spy("bwd")
     for on in (True, False):
         # (rows in shared memory and over a cooperative grid: their own tests)
-        plans.replan(bwd_cluster=on, bwd_resident_npt=0, bwd_grid_vecs=0)
+        plans.replan(cluster=on, bwd_resident_npt=0, bwd_grid_vecs=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, deterministic=True, config=plans.config)
         plan = plans[0]
         cluster = plan.variant.startswith("bwd_cluster")
         info = _plan.device_info(cp.cuda.Device().id)
-        cfg = plans.config.bwd
+        cfg = plans.rows.bwd
         npt, wide = cfg.cluster_npt, plan.spec.vec * dt.itemsize == 16
         fits = [t for t in _plan.cluster_sizes(cfg)
                 if N // plan.spec.vec <= t * npt * _plan.bwd_threads(npt)]
@@ -345,10 +346,10 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     every_other_row = LAYOUTS["every other row"]
     plans.spy("fwd")
     for on in (True, False):
-        plans.replan(fwd_cluster=on, fwd_parts_rows=0, fwd_resident_npt=0)
+        plans.replan(cluster=on, fwd_parts_rows=0, fwd_resident_npt=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
-        info, cfg = _plan.device_info(cp.cuda.Device().id), plans.config.fwd
+        info, cfg = _plan.device_info(cp.cuda.Device().id), plans.rows.fwd
         held = [_fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec) for p in plans]
         # few rows that 8 blocks of one vector per thread hold: 16 blocks of half the threads
         few = [h == cfg.cluster_tiles and M <= cfg.cluster_split_rows
@@ -369,11 +370,11 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
 
 @pytest.mark.parametrize("fields,M,variant", [
     (dict(fwd_npt=1, fwd_resident_npt=0), 2, "fwd_parts"),  # parts at their kernel's 4 vectors
-    (dict(fwd_npt=2, fwd_cluster=False), 2, "fwd_parts"),
+    (dict(fwd_npt=2, cluster=False), 2, "fwd_parts"),
     (dict(fwd_cluster_tiles=16), 1, "fwd_cluster_full")])  # 16 blocks of whole chunks
 def test_forward_configs_off_the_defaults_plan_what_runs(plans, fields, M, variant):
     """Configs the defaults never take plan kernels that launch and match the reference: rows
-    in parts under any ``FwdConfig.npt`` (the parts' kernel is built for 4 vectors per thread),
+    in parts under any ``fwd_npt`` (the parts' kernel is built for 4 vectors per thread),
     LayerNorm's rows of whole chunks over 16 blocks (past the portable cluster size)."""
     from cupyln import _plan
 
@@ -470,7 +471,7 @@ def test_backward_rows_split_over_a_cooperative_grid(plans, op, M, N, dt, wdt, h
         assert len(grid) == (len(plans) if vecs and info.async_copy else 0), \
             [p.variant for p in plans]
         for p in grid:
-            assert p.grid[0] * plans.config.bwd.grid_rows >= M
+            assert p.grid[0] * plans.rows.bwd.grid_rows >= M
             assert ("reduce" in p.launch) == (p.grid[0] > 1)
 
 
@@ -513,7 +514,7 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
         plans.replan(fwd_parts_rows=rows, fwd_resident_npt=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
-        cfg = plans.config.fwd
+        cfg = plans.rows.fwd
         wide = [p.spec.vec * dt.itemsize == 16 for p in plans]  # parts: 16-byte vectors
         held = [w and info.clusters and _fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec)
                 for p, w in zip(plans, wide, strict=True)]
@@ -576,7 +577,7 @@ def test_one_row_of_blocks_writes_dgamma_dbeta(plans, op, M, N, dt, wdt):
     matches the reference, deterministic or not, with either parameter gradient alone."""
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
-    plans.replan(bwd_atomic_flush=True)  # not taken: nothing to accumulate across blocks
+    plans.replan(atomic_flush=True)  # not taken: nothing to accumulate across blocks
     for det in (True, False):
         check_case(op, *case, deterministic=det, config=plans.config)
     check_case(op, *case, need=(False, op == "rms", op == "ln"), config=plans.config)
@@ -662,7 +663,7 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
         info = _plan.device_info(cp.cuda.Device().id)
         assert (plan.variant == "bwd_csum") == (on and info.clusters), plan.variant
         if plan.variant == "bwd_csum":
-            assert plan.grid == (cfg.bwd.csum_blocks, 1) and "reduce" not in plan.launch
+            assert plan.grid == (plans.rows.bwd.csum_blocks, 1) and "reduce" not in plan.launch
     for _ in range(2):  # the cluster's order is fixed: the same bits on every call
         again = check_case(op, *case, config=cupyln.Config())
         for a, b in zip(got[True], again, strict=True):
@@ -755,7 +756,7 @@ def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
         if not on:
             chunked = [p.variant == "fwd_peeled_chunked" for p in plans]
             continue
-        cfg = plans.config.fwd
+        cfg = plans.rows.fwd
         tiles = _fwd_cluster_tiles(cfg, info, op, M, N, 16 // dt.itemsize)
         wp = info.warp
         threads = -(-(N // (16 // dt.itemsize)) // (tiles * cfg.npt * wp)) * wp if tiles else 0
@@ -779,7 +780,7 @@ def test_peeled_rows_of_8_vectors_per_thread(plans, op, dt, wdt):
                  fwd_peel_cluster=False)
     check_case(op, *case, config=plans.config)
     assert [(p.variant, p.spec.npt) for p in plans] == [("fwd_peeled", 8)]
-    spills = plans[0].kern.local_size_bytes > cupyln.FwdConfig().peel_block_spill
+    spills = plans[0].kern.local_size_bytes > _tuning.SM90_FWD["peel_block_spill"][0]
     plans.replan(fwd_peel_parts_rows=0, fwd_peel_cluster=False)
     check_case(op, *case, config=plans.config)
     assert [p.variant for p in plans] == ["fwd_peeled_chunked" if spills else "fwd_peeled"]

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cupyln import _layout, _plan
-from cupyln._config import DEFAULT, BwdConfig, Config, FwdConfig
+from cupyln import _layout, _plan, _tuning
+from cupyln._config import DEFAULT, Config
 from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes
 
-FWD, BWD = DEFAULT.fwd, DEFAULT.bwd
-NO_PARTS = Config(fwd=FwdConfig(parts_rows=0), bwd=BwdConfig(parts_rows=0))
-NO_RESIDENT = Config(fwd=FwdConfig(resident_npt=0))
+FWD, BWD = _tuning.settings(DEFAULT, "sm_90").fwd, _tuning.settings(DEFAULT, "sm_90").bwd
+NO_PARTS = Config(tuning=dict(fwd_parts_rows=0, bwd_parts_rows=0))
+NO_RESIDENT = Config(tuning=dict(fwd_resident_npt=0))
 
 WARPS = st.sampled_from([32, 64])
 
@@ -253,7 +253,7 @@ def test_forward_rows_split_over_a_cluster_where_longer_than_a_block(dt, M, N, w
     or a block each), with or without rows in parts; LayerNorm's rows that are a whole number of the
     cluster's chunks without column tests. (Rows held in a cluster's shared memory, off here,
     have their own test.)"""
-    no_parts = Config(fwd=FwdConfig(parts_rows=0, resident_npt=0))
+    no_parts = Config(tuning=dict(fwd_parts_rows=0, fwd_resident_npt=0))
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, clusters, config=no_parts, is_ln=ln)
     s = plan.spec
     vec, size = s.vec, s.dtype.itemsize
@@ -309,7 +309,7 @@ def test_few_forward_rows_split_over_the_larger_cluster(ln, dt, M, N, most, tile
         full = ln and N % (tiles * threads * npt * vec) == 0
         assert plan.variant == "fwd_cluster" + "_full" * full and plan.grid == (M, tiles)
     assert set(built.values()) <= _plan.all_kernel_names(32)
-    off = Config(fwd=FwdConfig(cluster_split_rows=0))
+    off = Config(tuning=dict(fwd_cluster_split_rows=0))
     plain, _ = _plan_without_gpu("fwd", dt, M, N, 32, config=off, is_ln=ln, at_once=8)
     assert plain.spec.tiles == (8 if tiles == 16 else tiles) and plain.spec.npt == npt
 
@@ -509,7 +509,7 @@ def test_peeled_rows_over_a_cluster_in_place_of_chunks(dt, M, N, warp, is_ln):
     blocks of ``peel_cluster_rms_threads`` or more), whole warps each covering the row's
     middle, the grid's clusters covering M or at its cap; every other plan is the one without
     the switch."""
-    off_cfg = Config(fwd=FwdConfig(peel_cluster=False))
+    off_cfg = Config(tuning=dict(fwd_peel_cluster=False))
     off, _ = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln, config=off_cfg)
     on, built = _plan_without_gpu("fwd", dt, M, N, warp, peel=True, is_ln=is_ln)
     wide = 16 // _dtype(dt).itemsize
@@ -539,7 +539,7 @@ def test_peeled_chunks_are_a_switch():
     where they are staged."""
     from unittest import mock
 
-    off, spill = Config(fwd=FwdConfig(peel_chunked=False)), FWD.peel_block_spill
+    off, spill = Config(tuning=dict(fwd_peel_chunked=False)), FWD.peel_block_spill
     for config, M, N, local, variant, vec, npt in (
             (DEFAULT, 2048, 131071, 0, "fwd_peeled_chunked", 8, FWD.npt),
             (off, 2048, 131071, 0, "fwd_chunked", 1, 4),
@@ -719,7 +719,7 @@ def test_forward_parts_cover_the_row_whatever_vectors_per_thread(npt, M, N, targ
     """The parts' geometry counts the vectors per thread that norm_fwd_parts is built with,
     not the config's ``npt``: every part of the grid starts within the row (the kernel traps on
     a part past it), and the parts cover it."""
-    config = Config(fwd=FwdConfig(npt=npt, resident_npt=0))
+    config = Config(tuning=dict(fwd_npt=npt, fwd_resident_npt=0))
     plan, _ = _plan_without_gpu("fwd", "float16", M, N, 32, target == "sm_90", config=config)
     if plan.variant != "fwd_parts":
         return
@@ -782,7 +782,7 @@ def test_backward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most
         return (wide and tiles <= most and M >= BWD.resident_rows
                 and tiles * 512 * BWD.cluster_npt < nvec <= tiles * 1024 * npt)
 
-    off = Config(bwd=BwdConfig(resident_npt=0))
+    off = Config(tuning=dict(bwd_resident_npt=0))
     plan, nvec = _resident_plan("bwd", dt, M, N, warp, ln, most, off, expect)
     if plan is None:
         return
@@ -817,7 +817,7 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90",
                                     hip=hip, is_ln=ln)
     other, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90", hip=hip,
-                                 is_ln=ln, config=Config(bwd=BwdConfig(grid_vecs=0)))
+                                 is_ln=ln, config=Config(tuning=dict(bwd_grid_vecs=0)))
     dtype = _dtype(dt)
     vec = _layout.vec_width(dtype, N, (N,), [])
     nvec, span = N // vec, BWD.grid_tpr * BWD.grid_npt
@@ -886,7 +886,7 @@ def test_rows_for_16_blocks_where_the_driver_places_only_8(dt, M, N, warp):
     slice), no plan asks for one: the rows 16 blocks would take run as without them (row sums
     and tiles; rows in parts where few, else a block each); plans of rows 8 blocks hold are
     unchanged."""
-    no16 = Config(fwd=FwdConfig(cluster_tiles_long=0), bwd=BwdConfig(cluster_tiles_long=0))
+    no16 = Config(tuning=dict(fwd_cluster_tiles_long=0, bwd_cluster_tiles_long=0))
     for pass_, ln in (("bwd", True), ("fwd", False)):
         plan, built = _plan_without_gpu(pass_, dt, M, N, warp, is_ln=ln, most_blocks=8)
         want, _ = _plan_without_gpu(pass_, dt, M, N, warp, is_ln=ln, config=no16)
@@ -1088,12 +1088,12 @@ def test_fused_add_resident_backward_stages_dresidual_where_it_fits(dt, N):
     {"grid_buffers": 5, "grid_step_rows": 2}, {"grid_step_rows": 0}, {"grid_lag": 4},
     {"grid_buffers": 4, "grid_step_rows": 2, "grid_lag": 2}, {"grid_lag": -1}])
 def test_grid_buffers_hold_whole_steps_and_more_than_the_lag(fields):
-    """A BwdConfig whose grid buffers do not hold whole steps, or no step past the lag, is
-    refused when made, naming the three fields (the kernel would not compile, or wait on
-    itself)."""
+    """Grid buffers that do not hold whole steps, or no step past the lag, are refused when the
+    config is made, naming the three rows (the kernel would not compile, or wait on itself)."""
     with pytest.raises(ValueError, match="grid_buffers.*grid_step_rows.*grid_lag"):
-        BwdConfig(**fields)
-    assert BwdConfig(grid_buffers=6, grid_step_rows=3, grid_lag=1).grid_step_rows == 3
+        Config(tuning={f"bwd_{k}": v for k, v in fields.items()})
+    ok = Config(tuning=dict(bwd_grid_buffers=6, bwd_grid_step_rows=3, bwd_grid_lag=1))
+    assert _tuning.settings(ok, "sm_90").bwd.grid_step_rows == 3
 
 
 @pytest.mark.parametrize("pass_,dt,M,N,peel,refused", [

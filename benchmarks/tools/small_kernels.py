@@ -26,7 +26,7 @@ SHAPES = [("layernorm", 32, 512, "float16"), ("layernorm", 96, 768, "float16"),
 SHAPES = env_shapes("CUPYLN_SMALL_SHAPES", SHAPES)
 # cupyln variants: forward config fields set for the case (the others keep their defaults), and
 # other kernel sources as in tune.py (CUPYLN_TUNE_SOURCES: name=file pairs)
-VARIANTS = {"cupyln": {}, "cupyln small_m=False": {"small_m": False}}
+VARIANTS = {"cupyln": {}, "cupyln small_m=False": {"fwd_small_m": False}}
 for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     name, path = item.split("=", 1)
     VARIANTS[f"cupyln {name}"] = {"source": path}
@@ -46,7 +46,7 @@ def run(cases_path):
     import cupy as cp
     import numpy as np
 
-    import cupyln
+    from cupyln._config import config_of
     from cupyln.bench import _liger, _torch, cases, dtype_of, make_inputs
 
     flush_buf = cp.empty(256 << 20, cp.uint8)
@@ -61,8 +61,7 @@ def run(cases_path):
         for name, variant in VARIANTS.items():
             fields = {k: v for k, v in variant.items() if k != "source"}
             path = variant.get("source")
-            config = cupyln.Config(fwd=cupyln.FwdConfig(**fields),
-                                   source=None if path is None else open(path).read())
+            config = config_of(source=None if path is None else open(path).read(), **fields)
             peers = (torch, liger) if name == "cupyln" else (None, None)  # peers once per shape
             for (prov, pass_), fn in cases(op, x, dy, g, b, *peers, config=config).items():
                 fn(), fn()  # compile, plan, warm

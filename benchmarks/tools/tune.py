@@ -5,11 +5,11 @@
     CUPYLN_TUNE_PASSES=fwd python benchmarks/tools/tune.py                   # forward only
     CUPYLN_TUNE_SHAPES=layernorm:4096:1024:float16 python benchmarks/tools/tune.py  # other shapes
     CUPYLN_TUNE_SHAPES=rmsnorm_add:64:1048576:bfloat16 python benchmarks/tools/tune.py  # fused add
-    CUPYLN_TUNE_BWD='[{"cluster_npt": 1}, {"source": "old"}]' python benchmarks/tools/tune.py
+    CUPYLN_TUNE_BWD='[{"bwd_cluster_npt": 1}, {"source": "old"}]' python benchmarks/tools/tune.py
 
-A configuration is a dict of FwdConfig (forward) or BwdConfig (backward) fields, and "source":
-the name of a kernel source (the others keep their defaults). Every shape's forward and backward
-are timed as the benchmark does under each configuration; the kernels' register and
+A configuration is a dict of Config switches and planner rows (fwd_<row>, bwd_<row>), and
+"source": the name of a kernel source (the others keep their defaults). Every shape's forward
+and backward are timed as the benchmark does under each configuration; the kernels' register and
 local-memory use are printed with them, and the copy bandwidth of the same run first; last, a
 summary of each configuration's times over the rounds.
 """
@@ -20,7 +20,7 @@ import os
 import cupy as cp
 
 import cupyln
-from cupyln import _compile, _plan
+from cupyln import _compile, _config, _plan
 from cupyln.bench import (
     add_cases,
     cases,
@@ -49,19 +49,16 @@ for item in filter(None, os.environ.get("CUPYLN_TUNE_SOURCES", "").split(",")):
     SOURCES[name] = open(path).read()
 FWD = [dict(source=s) for s in SOURCES] + [dict(stage="always"), dict(stage="never")]
 BWD = [dict(source=s) for s in SOURCES] + [
-    dict(stage="never"), dict(cluster=False), dict(cluster_npt=1)]
+    dict(stage="never"), dict(cluster=False), dict(bwd_cluster_npt=1)]
 FWD = json.loads(os.environ.get("CUPYLN_TUNE_FWD", "null")) or FWD
 BWD = json.loads(os.environ.get("CUPYLN_TUNE_BWD", "null")) or BWD
 PASSES = os.environ.get("CUPYLN_TUNE_PASSES", "fwd,bwd").split(",")
 
 
-def config_of(pass_, fields):
-    """The Config of one configuration dict of ``pass_``'s fields (and "source")."""
+def config_of(fields):
+    """The Config of one configuration dict (switches, rows and "source")."""
     fields = dict(fields)
-    source = SOURCES[fields.pop("source", "current")]
-    if pass_ == "fwd":
-        return cupyln.Config(fwd=cupyln.FwdConfig(**fields), source=source)
-    return cupyln.Config(bwd=cupyln.BwdConfig(**fields), source=source)
+    return _config.config_of(SOURCES[fields.pop("source", "current")], **fields)
 
 
 def attrs(k):
@@ -106,7 +103,7 @@ def time_shape(op, M, N, dt, copy, times):
         if pass_ not in PASSES:
             continue
         for fields in configs:
-            config = config_of(pass_, fields)
+            config = config_of(fields)
             made = add_cases if op.endswith("_add") else cases
             label = json.dumps(fields, sort_keys=True)
             try:
