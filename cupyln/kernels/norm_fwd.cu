@@ -501,9 +501,9 @@ norm_fwd_peeled_add_chunked(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ld
 
 // Peeled rows longer than one block split over the CL blocks of a cluster (sm_90; with the
 // planner's fwd_peel_cluster row, where one chunk of the cluster holds the row's middle): x read
-// once, as norm_fwd_cluster's rows, where norm_fwd_peeled_chunked reads it twice. The middle's vectors
-// span the cluster (block r holding its part r); the first block's first 2 * VEC threads also
-// take the head and tail, one element each. One row per cluster at a time, gamma and beta read
+// once, as norm_fwd_cluster's rows, where norm_fwd_peeled_chunked reads it twice. The middle's
+// vectors span the cluster (block r holding its part r); the first block's first 2 * VEC
+// threads also take the head and tail, one element each. One row per cluster at a time, gamma and beta read
 // per element at the output.
 template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
 __global__ void __launch_bounds__(1024)
