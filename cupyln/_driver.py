@@ -14,6 +14,8 @@ import functools
 import struct
 import threading
 
+from ._spec import PORTABLE_CLUSTER
+
 try:
     from cupy_backends.cuda.api import driver as _drv
     from cupy_backends.cuda.api import runtime as _rt
@@ -21,7 +23,6 @@ except ImportError:  # no CuPy: the planner and its tests still import this modu
     _drv = _rt = None
 
 _STRUCT = {"p": "Q", "i": "q", "f": "f", "d": "d"}  # native-aligned C layout of each argument
-PORTABLE_CLUSTER = 8  # blocks per cluster every sm_90 device runs; more need an opt-in
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute (cuda.h)
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT (cuda.h)
 

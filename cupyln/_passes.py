@@ -19,6 +19,7 @@ import numpy as np
 from . import _plan
 from ._config import DEFAULT
 from ._dtypes import ACC_DTYPES, FLOAT32, add_vec, kernel_param_dtype, param_dtype
+from ._facts import device_info, launcher
 from ._layout import Extents, Layout, fill, flat, peelable, ptr, rows, vec_width
 from ._recipe import Builder
 
@@ -106,8 +107,8 @@ class HotFwd(_Prepared):
             args += ["residual", b.const(ldr), "h"]
         if self.parts:  # the parts' statistics, in the scratch after the outputs
             args.append(b.scratch(self.layout.scratch[0]))
-            b.launch(self.parts, args)
-        b.launch(plan.launch["fwd"], args)
+            b.launch(launcher(self.parts), args)
+        b.launch(launcher(plan.launch["fwd"]), args)
         return b.build(self.layout.nbytes)
 
     def __call__(self, x, gamma, beta, out, residual=None):
@@ -195,21 +196,21 @@ class HotBwd(_Prepared):
         stats = ("gamma", "mean", "rstd")
         if G:  # the row sums in parts, then added
             at = b.scratch(parts_at)
-            b.launch(plan.launch["rowsums"], ["dy", lddy, "x", ldx, *stats, at, M, N])
-            b.launch(merge, [at, b.const(G), rs, M])
+            b.launch(launcher(plan.launch["rowsums"]), ["dy", lddy, "x", ldx, *stats, at, M, N])
+            b.launch(launcher(merge), [at, b.const(G), rs, M])
         elif rowsums is not None:
-            b.launch(plan.launch["rowsums"], ["dy", lddy, "x", ldx, *stats, rs, M, N])
+            b.launch(launcher(plan.launch["rowsums"]), ["dy", lddy, "x", ldx, *stats, rs, M, N])
         pp = b.scratch(self.partial)
         # the zeroed memory: the last block's ticket counter, float32 atomic sums after the
         # counters, the rows' ticket counter after the last block's (or the grid's row sums)
         cnt = b.zeroed(0 if self.flushed else None)
         ap = b.zeroed(_ACC_OFFSET if self.atomic else None)
         tk = b.zeroed(_TICKETS if dynamic else grid_sums)
-        b.launch(plan.launch["bwd_dyn" if dynamic else "bwd"],
+        b.launch(launcher(plan.launch["bwd_dyn" if dynamic else "bwd"]),
                  ["dy", lddy, "x", ldx, *stats, rs, "dx", "dgamma", "dbeta", ap, cnt, tk, pp, M,
                   N, "dresidual", b.const(ldres or 0)])
         if self.partial is not None and "reduce" in plan.launch:
-            b.launch(plan.launch["reduce"], [pp, b.const(P), N, "dgamma", "dbeta"])
+            b.launch(launcher(plan.launch["reduce"]), [pp, b.const(P), N, "dgamma", "dbeta"])
         self.recipe = b.build(self.layout.nbytes, acc_bytes if counted else 0)
 
     def __call__(self, dy, x, gamma, mean, rstd, out, dres=None):
@@ -285,6 +286,7 @@ def _hot_bwd(*key):
 def clear_caches():
     """Forget every plan and prepared pass (kernels stay compiled)."""
     _plan.clear()
+    launcher.cache_clear()
     for f in (_hot_fwd, _hot_bwd):
         f.cache_clear()
 
@@ -331,7 +333,8 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         ins = [(xr, ldx)] + ([(r2, ldr)] if r2 is not None else [])
         peel = peelable(x.dtype, vec, N, ins, [y, h] if hdtype is not None else [y])
-        plan = _plan.plan_fwd(dev, config, x.dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
+        plan = _plan.plan_fwd(device_info(dev), config, x.dtype, wdtype, is_ln, M, N, vec,
+                              hdtype, peel)
         hot = _hot_fwd(dev, plan, x.shape, lead, is_ln, _given(out), ldx, M, N, eps, ldr)
         if remember is not None and as_is:
             remember(hot)
@@ -382,8 +385,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         peel = peelable(x.dtype, vec, N, inputs, [dx])
         if drr is not None:
             vec = add_vec(x.dtype, vec)
-        plan = _plan.plan_bwd(dev, config, x.dtype, wdtype, mean is not None, M, N, vec,
-                              drr is not None, peel)
+        plan = _plan.plan_bwd(device_info(dev), config, x.dtype, wdtype, mean is not None, M, N,
+                              vec, drr is not None, peel)
         partials = deterministic or not config.atomic_flush
         dynamic = plan.dynamic and not deterministic
         hot = _hot_bwd(dev, plan, x.shape, norm_shape, wdtype, want, _given(out), partials,
@@ -450,9 +453,9 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
         vec = vec_width(dtype, N, (N,), [])
         is_ln, M = op == "layernorm", max(M, 1)
         # the arguments as the calls give them (the plans' LRU caches key on them)
-        _plan.plan_fwd(dev, config, dtype, wdtype, is_ln, M, N, vec, None,
+        _plan.plan_fwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, None,
                        vec < 16 // dtype.itemsize)
-        _plan.plan_bwd(dev, config, dtype, wdtype, is_ln, M, N, vec, False,
+        _plan.plan_bwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, False,
                        vec < 16 // dtype.itemsize)
         plans += 2
     return plans

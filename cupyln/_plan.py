@@ -3,7 +3,10 @@
 This module is the one place that decides launch geometry: :func:`row_geometry` maps a row
 onto threads, :func:`plan_fwd` / :func:`plan_bwd` add the variant and the grid, and
 :func:`all_kernel_names` lists every kernel a config can launch (the compile tests build each).
-Plans are cached per (device, config, signature) in bounded LRU caches.
+A plan is a function of the problem, the device's facts (:class:`DeviceInfo`, gathered by
+``cupyln._facts``: attributes, and the compiled kernels' register use and cluster occupancy)
+and the config; this module imports neither CuPy nor the compiler. Plans are cached per
+(device facts, config, signature) in bounded LRU caches.
 """
 
 from __future__ import annotations
@@ -11,13 +14,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
-from . import _compile, _driver
-from ._compile import Spec
 from ._config import DEFAULT, Config
-from ._driver import Launcher
 from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, add_vec, h_dtypes, vec_options
+from ._spec import Spec
 from ._tuning import BwdRows, FwdRows, Settings, family, settings
 
 PLAN_CACHE_SIZE = 1024  # signatures kept per pass; a loop over many sequence lengths evicts
@@ -206,6 +208,8 @@ def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
 
 
 class DeviceInfo(NamedTuple):
+    """A device's facts as the planner reads them."""
+
     sms: int
     warp: int
     threads_per_sm: int
@@ -216,28 +220,14 @@ class DeviceInfo(NamedTuple):
     clusters: bool  # thread-block clusters (CUDA, compute capability 9.0 on): CLN_CLUSTERS
     hip: bool = False  # ROCm: its modules leave out the staged and cluster kernels
     max_grid: tuple = (2**31 - 1, 65535, 65535)  # blocks a launch may have in x, y and z
-
-
-@functools.cache  # one entry per device
-def device_info(dev_id):
-    import cupy as cp
-
-    dev = cp.cuda.Device(dev_id)
-    a = dev.attributes
-    cuda = not cp.cuda.runtime.is_hip
-    return DeviceInfo(
-        sms=a.get("MultiProcessorCount", 1),
-        warp=a.get("WarpSize", 32),
-        threads_per_sm=a.get("MaxThreadsPerMultiProcessor", 2048),
-        regs_per_sm=a.get("MaxRegistersPerMultiprocessor", 65536),
-        smem_per_sm=a.get("MaxSharedMemoryPerMultiprocessor", 65536),
-        smem_per_block=a.get("MaxSharedMemoryPerBlockOptin", 49152),
-        async_copy=cuda and int(dev.compute_capability) >= 80,
-        clusters=cuda and int(dev.compute_capability) >= 90,
-        hip=not cuda,
-        max_grid=(a.get("MaxGridDimX", 2**31 - 1), a.get("MaxGridDimY", 65535),
-                  a.get("MaxGridDimZ", 65535)),
-    )
+    device: int = 0  # which device: plans are cached per DeviceInfo
+    # What the planner asks about kernels, answered by the facts layer (cupyln._facts) or a
+    # test's mock: kernels(spec, pass_, source) -> {variant: kernel with num_regs,
+    # local_size_bytes, shared_size_bytes}; active_clusters(kern, cluster, block, smem) -> how
+    # many such clusters run at once; resident_blocks(kern, threads, smem) -> blocks per device.
+    kernels: Callable | None = None
+    active_clusters: Callable | None = None
+    resident_blocks: Callable | None = None
 
 
 def _within_grid(plan, info, pass_, N):
@@ -306,6 +296,17 @@ def _staged(mode, info, kern, dtype, vec, g, M, alone=True):
 # ----------------------------------------------------------------------------- plans
 
 
+class Launch(NamedTuple):
+    """One kernel launch of a plan: the launch layer makes it a ``_driver.Launcher``."""
+
+    kern: object  # the kernel, as DeviceInfo.kernels returned it
+    grid: tuple
+    block: tuple
+    smem: int
+    kinds: str  # argument kinds (see kernel_args)
+    cooperative: bool = False  # every block resident at once
+
+
 class Plan:
     """One pass's kernels and geometry (hashed by identity: plans are made once, cached)."""
 
@@ -316,7 +317,7 @@ class Plan:
         # the pass's main kernel: its name in the module (see Spec.names), its RawKernel
         self.variant, self.kern = variant, kern
         self.grid, self.block, self.smem = grid, block, smem
-        self.launch = launch  # name -> _driver.Launcher with this geometry, per kernel it runs
+        self.launch = launch  # name -> Launch of this geometry, per kernel it runs
         # backward: one row of blocks, each holding every row of its columns, writes
         # dgamma/dbeta itself (no partials, no reduction, no atomics)
         self.direct = direct
@@ -413,7 +414,7 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True, hdtype=hdtype)
-    kerns = _compile.kernels(spec, "fwd", config.source)
+    kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
     grid, block, smem = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb), 0
@@ -425,7 +426,7 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     elif (cfg.peel_chunked and g.npt > cfg.npt
           and kernel_resource(kerns[main], "local_size_bytes") > cfg.peel_block_spill):
         return long()
-    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
+    launch = {"fwd": Launch(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -451,11 +452,11 @@ def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     if not is_ln and block[0] < cfg.peel_cluster_rms_threads:
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip, peeled=True)
-    kern = _compile.kernels(spec, "fwd", config.source)["fwd_peeled_cluster"]
-    if _driver.max_active_clusters(kern, (1, tiles), block, 0) == 0:
+    kern = info.kernels(spec, "fwd", config.source)["fwd_peeled_cluster"]
+    if info.active_clusters(kern, (1, tiles), block, 0) == 0:
         return None
     grid = (min(M, info.sms * cfg.grid_per_sm), tiles)
-    launch = {"fwd": Launcher(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
+    launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, "fwd_peeled_cluster", kern, grid, block, 0, launch)
 
 
@@ -466,9 +467,9 @@ def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype=None)
     cfg = config.fwd
     spec = Spec(dtype, wdtype, is_ln, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
                 peeled=True, hdtype=hdtype)
-    kern = _compile.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
+    kern = info.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
     grid, block = (min(M, info.sms * cfg.grid_per_sm),), (cfg.tpr_max, 1)
-    launch = {"fwd": Launcher(kern, grid, block, 0, _fwd_kinds(dtype, hdtype))}
+    launch = {"fwd": Launch(kern, grid, block, 0, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, "fwd_peeled_chunked", kern, grid, block, 0, launch)
 
 
@@ -478,17 +479,17 @@ def _fwd_kinds(dtype, hdtype):
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_fwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None, peel=False):
+def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None,
+             peel=False):
     """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec);
     ``peel``: narrower vectors than 16 bytes whose rows start alike in x and y within 16 bytes
     (the caller's check), so that their heads and tails can be peeled off. ValueError where
     the plan's grid passes the device's limits."""
-    plan = _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
-    return _within_grid(plan, device_info(dev_id), "forward", N)
+    plan = _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
+    return _within_grid(plan, info, "forward", N)
 
 
-def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
-    info = device_info(dev_id)
+def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
     config = settings(config, family(info.hip, info.warp, info.clusters))
     cfg = config.fwd
     peeled = _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype) if peel \
@@ -513,7 +514,7 @@ def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
         g, grid = rg, (cdiv(M, rg.rpb),)
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if rg else 0,
                 row=rg is not None, hip=info.hip)
-    kerns = _compile.kernels(spec, "fwd", config.source)
+    kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_row" if rg else "fwd" if g.fits else "fwd_chunked"
     block, smem = (g.tpr, g.rpb), 0
     if main == "fwd" and "fwd_staged" in kerns:
@@ -525,7 +526,7 @@ def _fwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
         main = "fwd_early"
     if main + "_full" in kerns and cfg.full and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"
-    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    launch = {"fwd": Launch(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -581,7 +582,7 @@ def _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
                 plan = _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype,
                                      few, 1)
                 # every row's cluster at once (in turns, one vector lost: 32x65536 bf16)
-                if plan is not None and M <= _driver.max_active_clusters(
+                if plan is not None and M <= info.active_clusters(
                         plan.kern, (1, few), plan.block, 0):
                     return plan
     tpr = round_up(cdiv(N // vec, tiles * cfg.npt), info.warp)
@@ -603,22 +604,22 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
     cfg = config.fwd
     block = (round_up(cdiv(N // vec, tiles * npt), info.warp), 1)
     spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, hip=info.hip, hdtype=hdtype)
-    kerns = _compile.kernels(spec, "fwd", config.source)
+    kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_cluster"
-    if _driver.max_active_clusters(kerns[main], (1, tiles), block, 0) == 0:
+    if info.active_clusters(kerns[main], (1, tiles), block, 0) == 0:
         return None
     grid, smem = (min(M, info.sms * cfg.grid_per_sm), tiles), 0
     if "fwd_cluster_staged" in kerns:
         stage = staging_bytes(info, dtype, vec, npt, block[0], 1)
-        resident = _driver.max_active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
+        resident = info.active_clusters(kerns["fwd_cluster_staged"], (1, tiles), block,
                                                stage)
         if resident and stages(config.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
     full = main + "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
     if full in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0 \
-            and _driver.max_active_clusters(kerns[full], (1, tiles), block, smem):
+            and info.active_clusters(kerns[full], (1, tiles), block, smem):
         main = full
-    launch = {"fwd": Launcher(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
+    launch = {"fwd": Launch(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
@@ -639,18 +640,18 @@ def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
         return None
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
     spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
-    kern = _compile.kernels(spec, "fwd", config.source)["fwd_resident"]
+    kern = info.kernels(spec, "fwd", config.source)["fwd_resident"]
     pack = tpr * 16  # one slot: a vector per thread
     static = kernel_resource(kern, "shared_size_bytes")
     fit = (info.smem_per_sm - 1024 - static) // pack  # 1 KiB per block: the system's
     slots = min(2 * npt, fit, cfg.resident_slots or fit)
     smem = slots * pack
-    resident = _driver.max_active_clusters(kern, (1, tiles), (tpr, 1), smem) if slots >= npt \
+    resident = info.active_clusters(kern, (1, tiles), (tpr, 1), smem) if slots >= npt \
         else 0
     if not resident or M < cfg.resident_rows * resident:
         return None
     grid, block = (min(M, resident), tiles), (tpr, 1)
-    launch = {"fwd": Launcher(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
+    launch = {"fwd": Launch(kern, grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, "fwd_resident", kern, grid, block, smem, launch)
 
 
@@ -688,10 +689,10 @@ def _parts_plan(config, info, spec, pass_, variant, M, N, args):
     cfg = config.fwd
     tpr, parts = parts_geometry(cfg.parts_per_sm, FWD_PARTS_NPT, cfg.tpr_max, info, M, N,
                                 spec.vec)
-    kerns = _compile.kernels(spec, pass_, config.source)
+    kerns = info.kernels(spec, pass_, config.source)
     grid, block, kinds = (parts, M), (tpr, 1), _kinds(args + "p", spec.dtype)
-    launch = {"fwd_parts": Launcher(kerns["fwd_parts"], grid, block, 0, kinds),
-              "fwd": Launcher(kerns["fwd_apply"], grid, block, 0, kinds)}
+    launch = {"fwd_parts": Launch(kerns["fwd_parts"], grid, block, 0, kinds),
+              "fwd": Launch(kerns["fwd_apply"], grid, block, 0, kinds)}
     return Plan(spec, variant, kerns["fwd_apply"], grid, block, 0, launch)
 
 
@@ -699,10 +700,10 @@ def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     """The fused residual add's forward: the general geometry on direct rows (one chunk in
     registers, or chunks), none of the row kernel, staging or early parameters."""
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype)
-    kerns = _compile.kernels(spec, "fwd", config.source)
+    kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_add" if g.fits else "fwd_add_chunked"
     block = (g.tpr, g.rpb)
-    launch = {"fwd": Launcher(kerns[main], grid, block, 0, _fwd_kinds(dtype, hdtype))}
+    launch = {"fwd": Launch(kerns[main], grid, block, 0, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 
@@ -721,14 +722,14 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
         if "bwd_cluster" not in spec.names("bwd_long"):  # the widths Spec builds them for
             continue
         tpr = round_up(cdiv(N // vec, tiles * cfg.cluster_npt), info.warp)
-        kerns = _compile.kernels(spec, "bwd_long", config.source)
-        if _driver.max_active_clusters(kerns["bwd_cluster"], (1, tiles), (tpr, 1), 0) > 0:
+        kerns = info.kernels(spec, "bwd_long", config.source)
+        if info.active_clusters(kerns["bwd_cluster"], (1, tiles), (tpr, 1), 0) > 0:
             return spec, kerns, (tpr, 1), tiles, True
     # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
     tiles = cfg.cluster_tiles if info.clusters and config.cluster else 1
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
                 residual=residual)
-    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    kerns = info.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
 
 
@@ -737,9 +738,9 @@ def _reduce_launcher(cfg: BwdRows, kerns, N):
     ``reduce_cols_n`` elements (a multiple of 4) where the module has that kernel, else 32
     columns per block of eight row groups (the same order, the same bits)."""
     if "reduce_cols" in kerns and N % 4 == 0 and N >= cfg.reduce_cols_n:
-        return Launcher(kerns["reduce_cols"], (cdiv(2 * N, 4 * 256),), (256, 1), 0,
+        return Launch(kerns["reduce_cols"], (cdiv(2 * N, 4 * 256),), (256, 1), 0,
                         _REDUCE_ARGS)
-    return Launcher(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
+    return Launch(kerns["reduce"], (cdiv(2 * N, 32),), (32, 8), 0, _REDUCE_ARGS)
 
 
 def _rowsums_launchers(info, cfg: BwdRows, kerns, M, N, spec):
@@ -754,17 +755,17 @@ def _rowsums_launchers(info, cfg: BwdRows, kerns, M, N, spec):
         tpr, parts = parts_geometry(cfg.parts_per_sm, spec.npt, cfg.rowsums_tpr, info, M, N,
                                     spec.vec)
         rows = cfg.rowsums_tpr // info.warp  # one warp per row
-        return {"rowsums": Launcher(kerns["rowsums_parts"], (M, parts), (tpr, 1), 0,
+        return {"rowsums": Launch(kerns["rowsums_parts"], (M, parts), (tpr, 1), 0,
                                     _ROWSUMS_ARGS),
-                "rowsums_merge": Launcher(kerns["rowsums_merge"], (cdiv(M, rows),),
+                "rowsums_merge": Launch(kerns["rowsums_merge"], (cdiv(M, rows),),
                                           (info.warp, rows), 0, _MERGE_ARGS)}
     rows = min(M, info.sms * (info.threads_per_sm // cfg.rowsums_tpr) * 4)
     block = (cfg.rowsums_tpr, 1)
     kern = kerns.get("rowsums_cluster")
     if (kern is not None and M * cfg.cluster_tiles <= info.sms
-            and _driver.max_active_clusters(kern, (1, cfg.cluster_tiles), block, 0)):
-        return {"rowsums": Launcher(kern, (M, cfg.cluster_tiles), block, 0, _ROWSUMS_ARGS)}
-    return {"rowsums": Launcher(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)}
+            and info.active_clusters(kern, (1, cfg.cluster_tiles), block, 0)):
+        return {"rowsums": Launch(kern, (M, cfg.cluster_tiles), block, 0, _ROWSUMS_ARGS)}
+    return {"rowsums": Launch(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)}
 
 
 def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
@@ -786,7 +787,7 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True,
                 residual=residual)
     main = "bwd_peeled" if g.fits else "bwd_peeled_tiles"
-    kerns = _compile.kernels(spec, "bwd" if g.fits else "bwd_long", config.source)
+    kerns = info.kernels(spec, "bwd" if g.fits else "bwd_long", config.source)
     tiles = 1 if g.fits else cdiv(N // vec, g.tpr * g.npt)
     grid = min(M, info.sms * blocks_per_sm(kerns[main], g.tpr, 0, info) // tiles)
     if g.fits and M < cfg.peel_rows * grid:
@@ -797,7 +798,7 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
     if not g.fits and 1 < grid and M < cfg.peel_tile_rows * grid:
         return None  # the tiles' partials would cost more than their rows
     launch = {} if g.fits else _rowsums_launchers(info, cfg, kerns, M, N, spec)
-    launch["bwd"] = Launcher(kerns[main], (grid, tiles), (g.tpr, 1), 0, _BWD_ARGS)
+    launch["bwd"] = Launch(kerns[main], (grid, tiles), (g.tpr, 1), 0, _BWD_ARGS)
     if grid > 1:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     return Plan(spec, main, kerns[main], (grid, tiles), (g.tpr, 1), 0, launch,
@@ -805,18 +806,17 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan_bwd(dev_id, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=False,
+def plan_bwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=False,
              peel=False):
     """Backward geometry (``residual``: the fused add's kernels, dresidual added to dx; vec
     from add_vec; ``peel`` as plan_fwd's, x's, dy's and dx's rows alike). The grid depends only
     on (device, config, dtypes, M, N, vec), so the deterministic reduction order is the same
     on every call. ValueError where the grid passes the device's limits."""
-    plan = _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel)
-    return _within_grid(plan, device_info(dev_id), "backward", N)
+    plan = _bwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, residual, peel)
+    return _within_grid(plan, info, "backward", N)
 
 
-def _bwd_plan(dev_id, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
-    info = device_info(dev_id)
+def _bwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
     config = settings(config, family(info.hip, info.warp, info.clusters))
     cfg = config.bwd
     peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual) if peel \
@@ -846,7 +846,7 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
     if g.fits:
         spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip,
                     residual=residual)
-        kerns = _compile.kernels(spec, "bwd", config.source)
+        kerns = info.kernels(spec, "bwd", config.source)
         block, tiles, cluster = (g.tpr, g.rpb), 1, False
         colsum = colsum_bytes(g, g.rpb, vec, dtype)
     else:
@@ -875,16 +875,16 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
         main = "bwd_last"  # the last block sums the partials: one launch
     elif not direct:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
-    launch["bwd"] = Launcher(kerns[main], grid, block, smem, _BWD_ARGS)
+    launch["bwd"] = Launch(kerns[main], grid, block, smem, _BWD_ARGS)
     if dyn:
-        launch["bwd_dyn"] = Launcher(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
+        launch["bwd_dyn"] = Launch(kerns["bwd_staged_dyn"], grid, block, smem, _BWD_ARGS)
     return Plan(spec, main, kerns[main], grid, block, smem, launch, direct)
 
 
 def _resident_grid(info, M, block, tiles, cluster, kern, smem):
     """The blocks of ``kern`` that run at once (each loops over rows), at most one per row."""
     if cluster:  # whole clusters: the GPU places them by GPC (the driver counts them)
-        fit = _driver.max_active_clusters(kern, (1, tiles), block, smem)
+        fit = info.active_clusters(kern, (1, tiles), block, smem)
         return (max(1, min(M, fit)), tiles)
     resident = info.sms * blocks_per_sm(kern, block[0] * block[1], smem, info)
     return (max(1, min(cdiv(M, block[1]), cdiv(resident, tiles))), tiles)
@@ -915,15 +915,15 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
     spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True,
                 residual=residual)
-    kerns = _compile.kernels(spec, "bwd_long", config.source)
+    kerns = info.kernels(spec, "bwd_long", config.source)
     smem = staging_bytes(info, dtype, vec, npt, tpr, 1, wdtype)  # bwd_rows' staged layout
-    fit = _driver.max_active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
+    fit = info.active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
     if not fit or M < cfg.resident_rows * fit:
         return None
     if residual:  # one buffer more, of dresidual, in the kernel that stages it
         dres, staged = smem + npt * tpr * 16, kerns["bwd_resident_staged"]
         if (dres + kernel_resource(staged, "shared_size_bytes") <= info.smem_per_block
-                and _driver.max_active_clusters(staged, (1, tiles), (tpr, 1), dres) == fit):
+                and info.active_clusters(staged, (1, tiles), (tpr, 1), dres) == fit):
             smem, kerns = dres, {**kerns, "bwd_resident": staged}
     return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_resident", (min(M, fit), tiles), tpr,
                                    smem, N)
@@ -933,7 +933,7 @@ def _plan_bwd_rows_of_tiles(cfg, spec, kerns, variant, grid, tpr, smem, N, coope
     """The plan of ``kerns[variant]`` on ``grid`` (rows of tiles, tiles a row): one row of tiles
     writes dgamma/dbeta itself, more leave partials for the reduction."""
     kern = kerns[variant]
-    launch = {"bwd": Launcher(kern, grid, (tpr, 1), smem, _BWD_ARGS, cooperative=cooperative)}
+    launch = {"bwd": Launch(kern, grid, (tpr, 1), smem, _BWD_ARGS, cooperative=cooperative)}
     if grid[0] > 1:
         launch["reduce"] = _reduce_launcher(cfg, kerns, N)
     return Plan(spec, variant, kern, grid, (tpr, 1), smem, launch, direct=grid[0] == 1)
@@ -970,8 +970,8 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     step = cfg.grid_step_rows if cdiv(M, most) >= cfg.grid_step_min_rows else 1
     spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, residual=residual,
                 grid=_grid_args(cfg, step))
-    kerns = _compile.kernels(spec, "bwd_long", config.source)
-    groups = rows_of_tiles(_driver.resident_blocks(kerns["bwd_grid"], tpr, smem))
+    kerns = info.kernels(spec, "bwd_long", config.source)
+    groups = rows_of_tiles(info.resident_blocks(kerns["bwd_grid"], tpr, smem))
     if not groups:
         return None
     return _plan_bwd_rows_of_tiles(cfg, spec, kerns, "bwd_grid", (groups, columns), tpr, smem, N,
@@ -1006,18 +1006,18 @@ def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual):
         return None
     spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, cfg.csum_blocks,
                 residual=residual)
-    kern = _compile.kernels(spec, "bwd", config.source)["bwd_csum"]
+    kern = info.kernels(spec, "bwd", config.source)["bwd_csum"]
     # the values each block receives ([blocks][2N / blocks]), then its rows' column sums
     smem = cfg.csum_blocks * cdiv(2 * N, cfg.csum_blocks) * ACC_DTYPES[dtype].itemsize
     smem += colsum_bytes(g, rpb, vec, dtype)
     block = (g.tpr, rpb)
-    if _driver.max_active_clusters(kern, (cfg.csum_blocks, 1), block, smem) < 1:
+    if info.active_clusters(kern, (cfg.csum_blocks, 1), block, smem) < 1:
         return None
-    launch = {"bwd": Launcher(kern, (cfg.csum_blocks,), block, smem, _BWD_ARGS)}
+    launch = {"bwd": Launch(kern, (cfg.csum_blocks,), block, smem, _BWD_ARGS)}
     return Plan(spec, "bwd_csum", kern, (cfg.csum_blocks, 1), block, smem, launch)
 
 
 def clear():
     """Forget every plan (kernels stay compiled)."""
-    for f in (device_info, plan_fwd, plan_bwd):
+    for f in (plan_fwd, plan_bwd):
         f.cache_clear()

@@ -133,7 +133,7 @@ class Plans(list):
     @property
     def rows(self):
         """The planner's rows (``.fwd``, ``.bwd``) under this config on the current device."""
-        from cupyln import _plan, _tuning
+        from cupyln import _facts, _tuning
 
-        info = _plan.device_info(cp.cuda.Device().id)
+        info = _facts.device_info(cp.cuda.Device().id)
         return _tuning.settings(self.config, _tuning.family(info.hip, info.warp, info.clusters))

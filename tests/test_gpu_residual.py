@@ -223,10 +223,10 @@ def long_plan(info, p):
 
 @pytest.mark.parametrize("variant", BWD_VARIANTS, ids=list(BWD_VARIANTS))
 def test_dresidual_in_every_backward_variant(plans, variant):
-    from cupyln import _plan
+    from cupyln import _facts
 
     fields, M, N = BWD_VARIANTS[variant]
-    info = _plan.device_info(cp.cuda.Device().id)
+    info = _facts.device_info(cp.cuda.Device().id)
     plans.spy("bwd")
     plans.replan(**fields)
     for op, dt, wdt in (("ln", BF16, F32), ("rms", F32, F32)):

@@ -54,7 +54,7 @@ def test_cuda_graph_capture_and_replay(flush, M, N, given):
     output given (out=), the backward's scratch belongs to no output: the direct calls must not
     get it from the pool while the graph still writes to it. One cluster that sums dgamma/dbeta
     (64x512 on sm_90, unless "last block") has no scratch: that capture allocates nothing."""
-    from cupyln import _plan
+    from cupyln import _facts, _plan
 
     deterministic = flush == "deterministic"
     config = config_of(atomic_flush=flush == "atomic", bwd_cluster_sums=flush != "last block")
@@ -85,7 +85,7 @@ def test_cuda_graph_capture_and_replay(flush, M, N, given):
         graph = stream.end_capture()
         # the replays write to the scratch: it must not go back to the pool (where the
         # direct calls below could get it) when no output holds it
-        plan = _plan.plan_bwd(x.device.id, config, F16, F32, True, M, N, 8)
+        plan = _plan.plan_bwd(_facts.device_info(x.device.id), config, F16, F32, True, M, N, 8)
         scratch = plan.variant != "bwd_csum"
         assert (pool.used_bytes() > used) == scratch or not given, "captured scratch"
     other = cp.cuda.Stream(non_blocking=True)

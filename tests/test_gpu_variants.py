@@ -58,7 +58,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
     shapes either path can take: each matches the reference, and the two agree bitwise (the same
     arithmetic in the same order; the backward's dgamma/dbeta where both kernels get the same
     grid, which sets the order of the partial sums, and the staged rows are not dynamic)."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     dt, wdt = PAIRS[(M + N) % len(PAIRS)]
     case = inputs(M, N, dt, wdt)
@@ -84,7 +84,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         once = plan.variant in ("fwd_chunked", "fwd_cluster_chunked", "fwd_parts") \
             or plan.spec.row or plan.spec.peeled
         # staged kernels: cp.async, 16-byte vectors (Spec.wide)
-        can = _plan.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize == 16
+        can = _facts.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize == 16
         assert staged == (can and not once and mode == "always"), (mode, plan.grid)
         assert (plan.smem > 0) >= staged
         check_case(op, *case, config=cfg)
@@ -145,10 +145,10 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
     variant the case is meant to take with tickets, where the device has it; 1000x1024 takes
     too few rows for tickets (static groups only), 5000x96 has rows within a warp, 600x16384
     column tiles (in clusters on sm_90): static rows."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     x, bwd, check = backward_case(op, M, N, dt, wdt, plans)
-    warp = _plan.device_info(x.device.id).warp
+    warp = _facts.device_info(x.device.id).warp
     plans.spy("bwd")
     dxs, det, grids = {}, {}, {}
     for on in (True, False):
@@ -162,7 +162,7 @@ def test_dynamic_rows_of_the_staged_backward(plans, op, M, N, dt, wdt, meant):
         staged_wide = (plan.variant == "bwd_staged" and plan.block[0] > warp
                        and plan.grid[1] == 1)
         assert plan.dynamic == (on and staged_wide), (plan.variant, plan.block, plan.grid)
-        if meant and _plan.device_info(x.device.id).async_copy:
+        if meant and _facts.device_info(x.device.id).async_copy:
             assert plan.variant == meant and staged_wide, (plan.variant, plan.block)
         det[on] = [bwd(True) for _ in range(2)]
         grids[on] = plan.grid
@@ -292,7 +292,7 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
     reference, deterministic and not; the plan takes the cluster path exactly where the device
     has clusters and the row fits in its tiles, the fewest that hold it (for few rows the
     most)."""
-    from cupyln import _plan
+    from cupyln import _facts, _plan
 
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
@@ -303,7 +303,7 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         check_case(op, *case, deterministic=True, config=plans.config)
         plan = plans[0]
         cluster = plan.variant.startswith("bwd_cluster")
-        info = _plan.device_info(cp.cuda.Device().id)
+        info = _facts.device_info(cp.cuda.Device().id)
         cfg = plans.rows.bwd
         npt, wide = cfg.cluster_npt, plan.spec.vec * dt.itemsize == 16
         fits = [t for t in _plan.cluster_sizes(cfg)
@@ -340,7 +340,7 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
     the path without clusters does; the plan takes it exactly where the device has clusters and
     one chunk of the cluster holds the row, the fewest blocks that do (rows in parts turned
     off: longer rows then take a block each)."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
     every_other_row = LAYOUTS["every other row"]
@@ -349,7 +349,7 @@ def test_forward_rows_split_over_a_cluster(plans, op, M, N, dt, wdt, has_b):
         plans.replan(cluster=on, fwd_parts_rows=0, fwd_resident_npt=0)
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=every_other_row, config=plans.config)
-        info, cfg = _plan.device_info(cp.cuda.Device().id), plans.rows.fwd
+        info, cfg = _facts.device_info(cp.cuda.Device().id), plans.rows.fwd
         held = [_fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec) for p in plans]
         # few rows that 8 blocks of one vector per thread hold: 16 blocks of half the threads
         few = [h == cfg.cluster_tiles and M <= cfg.cluster_split_rows
@@ -376,9 +376,9 @@ def test_forward_configs_off_the_defaults_plan_what_runs(plans, fields, M, varia
     """Configs the defaults never take plan kernels that launch and match the reference: rows
     in parts under any ``fwd_npt`` (the parts' kernel is built for 4 vectors per thread),
     LayerNorm's rows of whole chunks over 16 blocks (past the portable cluster size)."""
-    from cupyln import _plan
+    from cupyln import _facts
 
-    if variant == "fwd_cluster_full" and not _plan.device_info(cp.cuda.Device().id).clusters:
+    if variant == "fwd_cluster_full" and not _facts.device_info(cp.cuda.Device().id).clusters:
         pytest.skip("needs thread-block clusters (sm_90)")
     plans.spy("fwd")
     plans.replan(**fields)
@@ -396,11 +396,11 @@ def test_forward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt,
     a multiple of the cluster's chunk, strided rows, float64), match the reference, as the
     paths without them do; on sm_90 the plan takes them for every such row here, at least
     ``resident_rows`` per resident cluster, and for none when off."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
     plans.spy("fwd")
-    info = _plan.device_info(cp.cuda.Device().id)
+    info = _facts.device_info(cp.cuda.Device().id)
     for npt, slots in ((8, 0), (8, 9), (0, 0)):  # the ring as large as fits, short, none
         plans.replan(fwd_resident_npt=npt, fwd_resident_slots=slots)
         check_case(op, *case, config=plans.config)
@@ -424,11 +424,11 @@ def test_backward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt
     in the shared memory of 16 column tiles (rows not a multiple of the tiles' chunk, strided
     rows, float64, float32 parameters of 16-bit rows), match the reference, as row sums and
     tiles do; on sm_90 the plan takes them for every such row here, and for none when off."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
     plans.spy("bwd")
-    info = _plan.device_info(cp.cuda.Device().id)
+    info = _facts.device_info(cp.cuda.Device().id)
     for npt in (2, 0):
         plans.replan(bwd_resident_npt=npt)
         check_case(op, *case, deterministic=det, config=plans.config)
@@ -453,11 +453,11 @@ def test_backward_rows_split_over_a_cooperative_grid(plans, op, M, N, dt, wdt, h
     strided rows, float32 parameters of 16-bit rows), match the reference, dgamma/dbeta bitwise
     the same on a second call when deterministic; on CUDA the plan takes it for every such row
     here, and for none when off."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
     plans.spy("bwd")
-    info = _plan.device_info(cp.cuda.Device().id)
+    info = _facts.device_info(cp.cuda.Device().id)
     for vecs in (32768, 0):
         plans.replan(bwd_grid_vecs=vecs)
         first = check_case(op, *case, deterministic=det, config=plans.config)
@@ -480,9 +480,9 @@ def test_backward_rows_split_over_a_cooperative_grid(plans, op, M, N, dt, wdt, h
 def test_cooperative_grid_rows_per_exchange(plans, op, buffers, step):
     """The cooperative grid with another number of rows per exchange (one; three, the last step
     of 7 rows partly empty) matches the reference, bitwise repeatable when deterministic."""
-    from cupyln import _plan
+    from cupyln import _facts
 
-    if not _plan.device_info(cp.cuda.Device().id).async_copy:
+    if not _facts.device_info(cp.cuda.Device().id).async_copy:
         pytest.skip("the cooperative grid backward needs cp.async (CUDA sm_80 on)")
     case = inputs(7, 300008, F16, F32, has_b=True)
     plans.spy("bwd")
@@ -505,11 +505,11 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
     statistics, then the merge and y; parts not a multiple of the chunk, float64, strided
     rows), match the reference, as the path without parts does, and the plan takes two launches
     exactly where asked, at 16-byte vectors, and a cluster does not hold the row (sm_90)."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     case = inputs(M, N, dt, wdt, has_b=has_b)
     plans.spy("fwd")
-    info = _plan.device_info(cp.cuda.Device().id)
+    info = _facts.device_info(cp.cuda.Device().id)
     for rows in (2.0, 0):
         plans.replan(fwd_parts_rows=rows, fwd_resident_npt=0)
         check_case(op, *case, config=plans.config)
@@ -591,13 +591,13 @@ def test_staged_clusters_with_need_flags(plans, need):
     """The staged cluster backward (blocks looping over rows, sm_90) with dx or a parameter's
     gradient left out: every row still takes its exchange, and what is computed matches the
     reference."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     plans.spy("bwd")
     check_case("ln", *inputs(301, 20000, F16, F32), need=need)
     check_case("rms", *inputs(301, 20000, BF16, BF16), need=need)
     assert plans
-    if _plan.device_info(cp.cuda.Device().id).clusters:
+    if _facts.device_info(cp.cuda.Device().id).clusters:
         assert all(p.variant == "bwd_cluster_staged" and p.grid[0] < 301 for p in plans), \
             [(p.variant, p.grid) for p in plans]
 
@@ -647,7 +647,7 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
     not, with one parameter gradient alone (dbeta for LayerNorm, dgamma for RMSNorm) and with dx
     alone, and is bitwise repeatable; so does the path without clusters. The plan takes it
     exactly where the device has clusters (every case here fits in one)."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     case = inputs(M, N, dt, wdt)
     plans.spy("bwd")
@@ -660,7 +660,7 @@ def test_cluster_sums(plans, op, M, N, dt, wdt):
         check_case(op, *case, need=(False, op == "rms", op == "ln"), config=cfg)
         check_case(op, *case, need=(True, False, False), config=cfg)
         plan = plans[0]
-        info = _plan.device_info(cp.cuda.Device().id)
+        info = _facts.device_info(cp.cuda.Device().id)
         assert (plan.variant == "bwd_csum") == (on and info.clusters), plan.variant
         if plan.variant == "bwd_csum":
             assert plan.grid == (plans.rows.bwd.csum_blocks, 1) and "reduce" not in plan.launch
@@ -742,11 +742,11 @@ def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
     included, as without (``peel_cluster=False``); the plan takes the cluster exactly where
     the device has clusters, its fewest blocks hold the row's middle and the plan without it
     is the chunked kernel."""
-    from cupyln import _plan
+    from cupyln import _facts
 
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     case = inputs(M, N, dt, wdt)
-    info = _plan.device_info(cp.cuda.Device().id)
+    info = _facts.device_info(cp.cuda.Device().id)
     plans.spy("fwd")
     chunked = []
     for on in (False, True):

@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import subprocess
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -127,12 +129,6 @@ class _FakeKernel:
         self.name = name
 
 
-class _FakeLauncher(NamedTuple):
-    kern: _FakeKernel
-    grid: tuple
-    block: tuple
-
-
 _SMEM_PER_SM = 233472  # the H200's shared memory per multiprocessor
 
 
@@ -151,11 +147,7 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
     False: RMSNorm's plan; ``most_blocks``: the largest cluster the driver places,
     ``at_once`` of them at a time; ``most_smem`` (if given) the most shared memory a block may
     have (else the H200's)."""
-    from unittest import mock
-
     dtype = _dtype(dt)
-    info = _plan.DeviceInfo(132, warp, 2048, 65536, _SMEM_PER_SM, most_smem or 227 * 1024,
-                            not hip, clusters and not hip, hip)
     built = {}
 
     def kernels(spec, p, text=None):
@@ -163,22 +155,21 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         built.update(names)
         return {k: _FakeKernel(v) for k, v in names.items()}
 
-    with mock.patch.object(_plan, "device_info", lambda dev: info), \
-            mock.patch.object(_plan._compile, "kernels", kernels), \
-            mock.patch.object(_plan._driver, "max_active_clusters",
-                              lambda k, cl, *a: at_once * (cl[0] * cl[1] <= most_blocks)), \
-            mock.patch.object(_plan._driver, "resident_blocks", _fake_resident_blocks), \
-            mock.patch.object(_plan, "Launcher", lambda k, g, b, *a, **kw: _FakeLauncher(k, g, b)):
-        vec = _layout.vec_width(dtype, N, (N,), [])
-        peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
-        if hdtype is not None:
-            return _plan.plan_fwd.__wrapped__(0, config, dtype, dtype, is_ln, M, N,
-                                              add_vec(dtype, vec), hdtype, peel), built
-        if residual:
-            return _plan.plan_bwd.__wrapped__(0, config, dtype, dtype, is_ln, M, N,
-                                              add_vec(dtype, vec), True, peel), built
-        planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
-        return planner.__wrapped__(0, config, dtype, dtype, is_ln, M, N, vec, peel=peel), built
+    info = _plan.DeviceInfo(
+        132, warp, 2048, 65536, _SMEM_PER_SM, most_smem or 227 * 1024, not hip,
+        clusters and not hip, hip, kernels=kernels,
+        active_clusters=lambda k, cl, *a: at_once * (cl[0] * cl[1] <= most_blocks),
+        resident_blocks=_fake_resident_blocks)
+    vec = _layout.vec_width(dtype, N, (N,), [])
+    peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
+    if hdtype is not None:
+        return _plan.plan_fwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
+                                          add_vec(dtype, vec), hdtype, peel), built
+    if residual:
+        return _plan.plan_bwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
+                                          add_vec(dtype, vec), True, peel), built
+    planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
+    return planner.__wrapped__(info, config, dtype, dtype, is_ln, M, N, vec, peel=peel), built
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 20),
@@ -1136,11 +1127,13 @@ def test_hip_modules_leave_out_the_staged_and_cluster_kernels():
 
 
 @pytest.mark.parametrize("partials", [False, True])
-def test_peeled_backward_flushes_through_partials(partials):
+def test_peeled_backward_flushes_through_partials(partials, monkeypatch):
     """The peeled backward kernel has no atomic flush: a call that allows atomics (the config's
     atomic_flush, deterministic=False) still gets its partials and the reduction."""
     pytest.importorskip("cupy")  # the launch layer's hot path
     from cupyln import _passes
+
+    monkeypatch.setattr(_passes, "launcher", lambda launch: launch)  # no driver here
 
     plan, _ = _plan_without_gpu("bwd", "float16", 700000, 1001, 32, peel=True)
     assert plan.variant == "bwd_peeled" and "reduce" in plan.launch
@@ -1203,6 +1196,17 @@ def _golden_rows():
                         f"{plan.variant} grid {list(plan.grid)} block {list(plan.block)} "
                         f"smem {plan.smem} vec {s.vec} npt {s.npt} tiles {s.tiles} tpr {s.tpr}")
     return rows
+
+
+def test_the_planner_imports_neither_cupy_nor_the_compiler():
+    """The planner is a function of the problem, the device's facts and a config: it imports
+    with CuPy unimportable, and loads no compiler and no driver layer (cupyln._facts gathers
+    the facts)."""
+    code = ("import sys; sys.modules['cupy'] = None; import cupyln._plan; "
+            "print(sorted(m for m in ('cupyln._compile', 'cupyln._driver', 'cupyln._facts') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_benchmark_shapes_plan_as_the_golden_table():
