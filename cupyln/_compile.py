@@ -19,7 +19,7 @@ from pathlib import Path
 from ._spec import Spec  # noqa: F401 (a specialization: what this module compiles)
 
 OPTIONS = ("-std=c++17",)
-HEADERS = ("common.cuh", "cluster.cuh", "bwd_common.cuh")
+HEADERS = ("float8.cuh", "common.cuh", "cluster.cuh", "bwd_common.cuh")
 SOURCES = ("norm_fwd.cu", "norm_bwd.cu")
 
 

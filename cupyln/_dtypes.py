@@ -11,6 +11,10 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT32 = np.dtype(np.float32)
 FLOAT64 = np.dtype(np.float64)
 
+#: float8 dtypes y may be quantized to, by name (CuPy holds them as uint8: the same bits)
+FLOAT8_DTYPES = {"float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+                 "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
+
 #: dtypes accepted for x and dy
 SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 SUPPORTED_NAMES = "float16, bfloat16, float32 or float64"

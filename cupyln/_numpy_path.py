@@ -23,19 +23,27 @@ def _new(o, shape, dtype):
     return np.empty(shape, dtype) if o is None else o
 
 
-def forward(x, gamma, beta, eps, k, is_ln, out, residual=None, h_dtype=None, woff=0.0):
-    """(y, mean, rstd) or (y, rstd) of validated NumPy arrays, then h where ``residual`` is
-    given; into ``out`` entries if given."""
+def forward(x, gamma, beta, eps, k, is_ln, out, residual=None, h_dtype=None, woff=0.0,
+            quant=None):
+    """(y, mean, rstd) or (y, rstd) of validated NumPy arrays, then y's scales (``quant``:
+    (float8 dtype, y_scale or None)) and h where ``residual`` is given; into ``out`` entries
+    if given."""
     lead = x.shape[: x.ndim - k]
     M, N = math.prod(lead), math.prod(x.shape[x.ndim - k :])
     add = residual is not None
-    out = out or (None,) * ((3 if is_ln else 2) + add)
-    y = _new(out[0], x.shape, x.dtype)
-    stats = [_new(o, lead, FLOAT32) for o in out[1 : len(out) - add]]
+    y_dtype, y_scale = quant or (None, None)
+    out = out or (None,) * ((3 if is_ln else 2) + (quant is not None) + add)
+    y = _new(out[0], x.shape, x.dtype if quant is None else y_dtype)
+    nstats = 2 if is_ln else 1
+    stats = [_new(o, lead, FLOAT32) for o in out[1 : 1 + nstats]]
+    if quant is not None:  # per-row scales, or the amax of all rows (filled as rows come)
+        scale = _new(out[1 + nstats], lead if y_scale is None else y_scale.shape, FLOAT32)
+        scale[...] = 0
+        stats.append(scale)
     h = _new(out[-1], x.shape, h_dtype) if add else None
     x2, y2 = x.reshape(M, N), y.reshape(M, N)
     r2, h2 = (None, None) if not add else (residual.reshape(M, N), h.reshape(M, N))
-    s2 = [s.reshape(M) for s in stats]
+    s2 = [s.reshape(-1) for s in stats]
     g = None if gamma is None else gamma.reshape(N)
     b = None if beta is None else beta.reshape(N)
     with np.errstate(divide="ignore", invalid="ignore"):  # eps = 0 on a constant row: documented
@@ -48,8 +56,14 @@ def forward(x, gamma, beta, eps, k, is_ln, out, residual=None, h_dtype=None, wof
                 yb, *sb = _ref.layer_norm_fwd(xb, g, b, eps, 1, weight_offset=woff)
             else:
                 yb, *sb = _ref.rms_norm_fwd(xb, g, eps, 1, weight_offset=woff)
+            if quant is not None:
+                yb, qs = _ref.quantize(yb, y_dtype, y_scale)
+                if y_scale is None:
+                    sb.append(qs)
+                else:
+                    s2[-1][0] = np.fmax(s2[-1][0], qs)
             y2[r0:r1] = yb
-            for s, v in zip(s2, sb, strict=True):
+            for s, v in zip(s2, sb, strict=False):
                 s[r0:r1] = v
     return (y, *stats, h) if add else (y, *stats)
 

@@ -16,7 +16,14 @@ import numpy as np
 
 from . import _numpy_path
 from ._config import DEFAULT, Config
-from ._dtypes import FLOAT32, SUPPORTED_DTYPES, SUPPORTED_NAMES, h_dtypes, param_dtype
+from ._dtypes import (
+    FLOAT8_DTYPES,
+    FLOAT32,
+    SUPPORTED_DTYPES,
+    SUPPORTED_NAMES,
+    h_dtypes,
+    param_dtype,
+)
 from ._layout import span
 
 try:  # CuPy is optional: without it only NumPy arrays are accepted.
@@ -147,6 +154,42 @@ def _h_dtype(x, residual, residual_dtype):
         raise ValueError(f"residual has shape {tuple(residual.shape)}; expected x's shape "
                          f"{tuple(x.shape)}")
     return hd
+
+
+def _y_dtype(y_dtype, x):
+    """The float8 dtype y is quantized to, or None for y in x's dtype (``y_dtype`` None or x's
+    dtype); TypeError for any other."""
+    if y_dtype is None:
+        return None
+    try:
+        dt = np.dtype(FLOAT8_DTYPES.get(y_dtype, y_dtype)) if isinstance(y_dtype, str) \
+            else np.dtype(y_dtype)
+    except TypeError:
+        dt = None
+    if dt == x.dtype:
+        return None
+    if dt not in FLOAT8_DTYPES.values():
+        raise TypeError(f"y_dtype must be 'float8_e4m3fn' or 'float8_e5m2' (or x's dtype, "
+                        f"{x.dtype}), got {y_dtype!r}")
+    return dt
+
+
+def _y_scale(y_scale, y_dtype, kind):
+    """ValueError unless ``y_scale`` (given) is a float32 array of one element, with a float8
+    ``y_dtype``; on NumPy its value must be finite and above 0 (a CuPy scale stays on the
+    device: the kernel writes NaN where it is not)."""
+    if y_scale is None:
+        return
+    if y_dtype is None:
+        raise ValueError("y_scale was given but y_dtype is not a float8 dtype: y_scale "
+                         "quantizes y")
+    if y_scale.dtype != FLOAT32 or y_scale.size != 1:
+        raise ValueError(f"y_scale must be a float32 array of one element, got dtype "
+                         f"{y_scale.dtype} and shape {tuple(y_scale.shape)}")
+    if kind == "numpy":
+        v = float(y_scale.reshape(()))
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"y_scale must be finite and above 0, got {v}")
 
 
 def _check_config(config):
@@ -350,9 +393,10 @@ def _remember(key, prepared=None):
 
 
 def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=None,
-         residual_dtype=None, weight_offset=0.0, prepared=None):
+         residual_dtype=None, weight_offset=0.0, prepared=None, y_dtype=None, y_scale=None):
     key = None
     if type(x) is _CUPY_ARRAY and type(eps) is float and type(weight_offset) is float and (
+            y_dtype is None and y_scale is None) and (
             normalized_shape is None or type(normalized_shape) is tuple) and (
             residual_dtype is None or isinstance(residual_dtype, (np.dtype, type, str))):
         head = (is_ln, eps, normalized_shape, config, residual_dtype, weight_offset)
@@ -368,9 +412,12 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=Non
                 return res
     if x is None:
         raise TypeError("x must be a numpy.ndarray or cupy.ndarray, got None")
-    inputs = [("x", x), ("gamma", gamma), ("beta", beta), ("residual", residual)]
+    inputs = [("x", x), ("gamma", gamma), ("beta", beta), ("residual", residual),
+              ("y_scale", y_scale)]
     kind = _kind(inputs)
     _check_dtype("x", x)
+    y_dtype = _y_dtype(y_dtype, x)
+    _y_scale(y_scale, y_dtype, kind)
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is not None:
             _check_param_dtype(name, p, x.dtype)
@@ -387,10 +434,15 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=Non
                 f"x's normalized size must be below 2**31 elements on the GPU, got shape "
                 f"{tuple(x.shape[x.ndim - k:])}"
             )
+    quant = None if y_dtype is None else (y_dtype, y_scale)
     if out is not None:
         lead = tuple(x.shape[: x.ndim - k])
-        want = [("y", x.shape, x.dtype, True)] + [("mean", lead, FLOAT32, True)] * is_ln
+        y_store = x.dtype if y_dtype is None else y_dtype if kind == "numpy" else np.uint8
+        want = [("y", x.shape, y_store, True)] + [("mean", lead, FLOAT32, True)] * is_ln
         want.append(("rstd", lead, FLOAT32, True))
+        if y_dtype is not None:
+            want.append(("scale", lead, FLOAT32, True) if y_scale is None else
+                        ("amax", y_scale.shape, FLOAT32, True))
         if h_dtype is not None:
             want.append(("h", x.shape, h_dtype, True))
         out = _check_out(out, want, kind, dev, inputs)
@@ -398,15 +450,16 @@ def _fwd(x, gamma, beta, eps, normalized_shape, is_ln, out, config, residual=Non
         from . import _passes
 
         return _passes.forward(x, gamma, beta, eps, k, is_ln, out, _remember(key, prepared),
-                               config, residual, h_dtype, woff)
-    return _numpy_path.forward(x, gamma, beta, eps, k, is_ln, out, residual, h_dtype, woff)
+                               config, residual, h_dtype, woff, quant)
+    return _numpy_path.forward(x, gamma, beta, eps, k, is_ln, out, residual, h_dtype, woff,
+                               quant)
 
 
 def layer_norm_fwd(
     x: Array, gamma: Array | None = None, beta: Array | None = None, eps: float = 1e-5, *,
     normalized_shape: int | Sequence[int] | None = None, residual: Array | None = None,
-    residual_dtype: Any = None, weight_offset: float = 0.0, out: Outputs = None,
-    config: Config | None = None,
+    residual_dtype: Any = None, weight_offset: float = 0.0, y_dtype: Any = None,
+    y_scale: Array | None = None, out: Outputs = None, config: Config | None = None,
 ) -> tuple[Array, ...]:
     """LayerNorm forward: ``y = (x - mean) * rstd * gamma + beta`` over the normalized axes.
 
@@ -432,6 +485,13 @@ def layer_norm_fwd(
     weight_offset : float
         The norm scales by ``gamma + weight_offset`` (computed in float32; 1.0 for Gemma-style
         weights stored around zero). Nonzero only with gamma.
+    y_dtype : str or dtype, optional
+        ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (or ml_dtypes' types): y quantized to float8
+        in the same pass, with a dequantization scale (``y ~ y_q * scale``). None or x's
+        dtype: y in x's dtype.
+    y_scale : array, optional
+        float32, one element: one static scale for all of y, ``y_q = saturate(rne(y /
+        y_scale))``. None (with a float8 ``y_dtype``): a scale per row, ``amax(|y|) / fmax``.
     out : tuple (y, mean, rstd) or (y, mean, rstd, h), optional
         Preallocated, writable, C-contiguous arrays of the outputs' shapes and dtypes (an entry
         may be None), overlapping no input and no other output.
@@ -441,9 +501,13 @@ def layer_norm_fwd(
     Returns
     -------
     y : array
-        x's shape and dtype.
+        x's shape and dtype; with a float8 ``y_dtype``, y_q: that dtype on NumPy, its bits as
+        uint8 on CuPy.
     mean, rstd : array
         float32, of x's leading shape (``rstd = 1 / sqrt(var + eps)``, var biased).
+    scale or amax : array
+        Only with a float8 ``y_dtype``: each row's dequantization scale (float32, x's leading
+        shape), or with ``y_scale`` the largest |y| before scaling (float32, y_scale's shape).
     h : array
         Only with ``residual``: ``x + residual`` in ``residual_dtype``, C-contiguous. Pass it
         to the backward in place of x.
@@ -451,12 +515,14 @@ def layer_norm_fwd(
     Raises
     ------
     TypeError
-        A non-array, an unsupported dtype (of x, gamma, beta, residual or residual_dtype),
-        NumPy and CuPy arrays mixed, a bad ``eps`` or ``weight_offset`` type.
+        A non-array, an unsupported dtype (of x, gamma, beta, residual, residual_dtype or
+        y_dtype), NumPy and CuPy arrays mixed, a bad ``eps`` or ``weight_offset`` type.
     ValueError
         Shapes that do not match, a negative or non-finite ``eps``, a non-finite
-        ``weight_offset`` or one without gamma, ``residual_dtype`` without ``residual``, arrays
-        on different devices, an ``out=`` entry that overlaps an input or is read-only.
+        ``weight_offset`` or one without gamma, ``residual_dtype`` without ``residual``, a
+        ``y_scale`` not float32 or not of one element (on NumPy: not finite or not above 0) or
+        without a float8 ``y_dtype``, arrays on different devices, an ``out=`` entry that
+        overlaps an input or is read-only.
 
     Examples
     --------
@@ -468,21 +534,26 @@ def layer_norm_fwd(
     >>> y, mean, rstd, h = cupyln.layer_norm_fwd(x, residual=np.ones_like(x))
     >>> h, mean
     (array([[2., 3., 4., 5.]], dtype=float32), array([3.5], dtype=float32))
+    >>> y_q, mean, rstd, scale = cupyln.layer_norm_fwd(x, y_dtype="float8_e4m3fn")
+    >>> y_q.astype(np.float32)
+    array([[-448., -144.,  144.,  448.]], dtype=float32)
+    >>> np.round(y_q.astype(np.float32) * scale, 3)  # y ~ y_q * scale
+    array([[-1.342, -0.431,  0.431,  1.342]], dtype=float32)
     """
     return _fwd(x, gamma, beta, eps, normalized_shape, True, out, config, residual,
-                residual_dtype, weight_offset)
+                residual_dtype, weight_offset, y_dtype=y_dtype, y_scale=y_scale)
 
 
 def rms_norm_fwd(
     x: Array, gamma: Array | None = None, eps: float = 1e-6, *,
     normalized_shape: int | Sequence[int] | None = None, residual: Array | None = None,
-    residual_dtype: Any = None, weight_offset: float = 0.0, out: Outputs = None,
-    config: Config | None = None,
+    residual_dtype: Any = None, weight_offset: float = 0.0, y_dtype: Any = None,
+    y_scale: Array | None = None, out: Outputs = None, config: Config | None = None,
 ) -> tuple[Array, ...]:
     """RMSNorm forward: ``y = x * rstd * gamma`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``.
 
-    Parameters are those of :func:`layer_norm_fwd` without beta; ``out=(y, rstd)`` or
-    ``(y, rstd, h)``.
+    Parameters are those of :func:`layer_norm_fwd` without beta; ``out=(y, rstd)``, then
+    ``scale`` or ``amax`` with a float8 ``y_dtype``, then ``h`` with a residual.
 
     Returns
     -------
@@ -490,6 +561,8 @@ def rms_norm_fwd(
         x's shape and dtype.
     rstd : array
         float32, of x's leading shape.
+    scale or amax : array
+        Only with a float8 ``y_dtype``, as in :func:`layer_norm_fwd`.
     h : array
         Only with ``residual``, as in :func:`layer_norm_fwd`.
 
@@ -510,7 +583,7 @@ def rms_norm_fwd(
     array([[0.84852814, 1.13137085]])
     """
     return _fwd(x, gamma, None, eps, normalized_shape, False, out, config, residual,
-                residual_dtype, weight_offset)
+                residual_dtype, weight_offset, y_dtype=y_dtype, y_scale=y_scale)
 
 
 # ----------------------------------------------------------------------------- backward

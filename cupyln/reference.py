@@ -4,6 +4,8 @@ Every function takes arrays of any supported dtype (float16, bfloat16, float32, 
 computes in float64 and returns float64 arrays. ``norm_ndim`` is the number of trailing axes
 that are normalized; the leading axes are rows. No validation here: the public API validates.
 
+``quantize`` models the float8 outputs as the kernels compute them from their float32 y.
+
 The fused residual add is modelled as the kernels store it: ``h = x + residual`` rounded to
 ``residual_dtype`` (x's dtype by default), and the norm is of that rounded ``h``.
 ``weight_offset`` scales by ``gamma + weight_offset``.
@@ -11,7 +13,11 @@ The fused residual add is modelled as the kernels store it: ``h = x + residual``
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+#: float8 output dtypes and the largest finite value of each (what saturation clips to)
+FLOAT8 = {np.dtype(ml_dtypes.float8_e4m3fn): 448.0, np.dtype(ml_dtypes.float8_e5m2): 57344.0}
 
 
 def _rows(a, norm_ndim):
@@ -111,3 +117,26 @@ def rms_norm_bwd(dy, x, gamma, rstd, *, dresidual=None, weight_offset=0.0):
     """Return ``(dx, dgamma)`` in float64."""
     dx, dgamma, _ = _norm_bwd(dy, x, gamma, None, rstd, dresidual, weight_offset)
     return dx, dgamma
+
+
+def quantize(y, y_dtype, y_scale=None):
+    """Rows of ``y`` (2-D, any float dtype) quantized to float8 ``y_dtype`` as the kernels do:
+    y rounded to float32 first (the kernels' y), divided by a dequantization scale (correctly
+    rounded float32 division), saturated to the format's largest finite value (NaN stays NaN),
+    rounded to nearest even. ``y_scale`` None: each row's scale is its largest |y| over fmax
+    (NaN ignored; 1 where that is 0); returns ``(y_q, scale)``, scale of shape (M,).
+    ``y_scale`` (a float32 value): one scale for all, NaN output where it is not finite or not
+    above 0; returns ``(y_q, amax)``, the largest non-NaN |y| of all rows (float32)."""
+    y_dtype = np.dtype(y_dtype)
+    fmax = np.float32(FLOAT8[y_dtype])
+    y32 = np.asarray(y, np.float32)
+    amax = np.fmax.reduce(np.abs(y32), axis=1, initial=np.float32(0))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if y_scale is None:
+            scale = np.where(amax == 0, np.float32(1), amax / fmax).astype(np.float32)
+            q = y32 / scale[:, None]
+        else:
+            s = np.float32(y_scale)
+            q = y32 / s if np.isfinite(s) and s > 0 else np.full_like(y32, np.nan)
+            scale = np.fmax.reduce(amax, initial=np.float32(0))
+        return np.clip(q, -fmax, fmax).astype(y_dtype), scale

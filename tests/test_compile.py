@@ -218,3 +218,59 @@ def test_each_kernels_parameters_are_the_planners_argument_kinds():
         assert kinds == _plan.kernel_args(name), name
         found += 1
     assert found >= 25
+
+
+_FLOAT8_HOST = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // default: to even
+%s
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  float v;
+  while (std::fread(&v, 4, 1, in) == 1) {
+    unsigned char q[2] = {cl_float8(v, false), cl_float8(v, true)};
+    std::fwrite(q, 1, 2, out);
+  }
+  return std::fclose(out) != 0;
+}
+"""
+
+
+def test_float8_conversion_matches_ml_dtypes_bit_for_bit(tmp_path):
+    """The kernels' float32 -> float8 conversion (kernels/float8.cuh, built here by the host's
+    C++ compiler) gives ml_dtypes' bits for x clipped to +-fmax: every float32 whose low 16
+    bits are one of seven patterns (so every exponent, and the ties and their neighbours of
+    every rounding position of both formats), infinities and NaN; NaN compared as NaN."""
+    import ml_dtypes
+    import numpy as np
+
+    from cupyln._compile import _read
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        _missing("a host C++ compiler")
+    src = tmp_path / "f8.cpp"
+    src.write_text(_FLOAT8_HOST % _read("float8.cuh").replace("#pragma once", ""))
+    exe = tmp_path / "f8"
+    subprocess.run([cxx, "-O1", "-std=c++17", str(src), "-o", str(exe)], check=True)
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234], np.uint32)
+    bits = (high[:, None] | low[None, :]).ravel()
+    v = bits.view(np.float32)
+    v.tofile(tmp_path / "in.bin")
+    subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    got = np.fromfile(tmp_path / "out.bin", np.uint8).reshape(-1, 2)
+    for col, (dt, fmax) in enumerate([(ml_dtypes.float8_e4m3fn, 448.0),
+                                      (ml_dtypes.float8_e5m2, 57344.0)]):
+        want = np.clip(v, -fmax, fmax).astype(dt)
+        nan = np.isnan(v)
+        assert np.array_equal(got[~nan, col], want[~nan].view(np.uint8)), dt
+        assert np.isnan(got[nan, col].view(dt).astype(np.float32)).all()
+        assert (got[nan, col] & 0x80 == (bits[nan] >> 24) & 0x80).all()  # NaN keeps its sign

@@ -2,6 +2,7 @@
 // Compiles with NVRTC (CUDA) and hipcc/hiprtc (HIP) alike: no headers, no hard-coded warp size
 // (every reduction takes WARP, 32 or 64, as a template argument), maskless shuffles on HIP.
 #pragma once
+#include "float8.cuh"
 
 #if defined(__HIPCC__) || defined(__HIP__) || defined(__HIPCC_RTC__)
 #define CLN_HIP 1

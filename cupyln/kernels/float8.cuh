@@ -1,0 +1,32 @@
+// Float32 to float8 (e4m3fn, e5m2) for the quantized forward's y: round to nearest even,
+// saturating to the largest finite value (448, 57344; infinities too), NaN kept a NaN of its
+// sign (0x7f, 0x7e), as ml_dtypes casts after a clip. Integer operations only, so that CUDA,
+// HIP and a host compiler (tests/test_compile.py checks every float32 against ml_dtypes) give
+// the same bits; it needs __float_as_uint, __uint_as_float and __float2int_rn.
+#pragma once
+
+// MBITS mantissa bits, exponent bias BIAS; MAXF/TINYF: the float32 bits of the largest finite
+// value and of the smallest normal one; MAXQ/NANQ: the float8 bits of the largest finite value
+// and of NaN.
+template <int MBITS, int BIAS, unsigned MAXF, unsigned TINYF, unsigned MAXQ, unsigned NANQ>
+__device__ __forceinline__ unsigned char cl_to_float8(float v) {
+  const unsigned u = __float_as_uint(v);
+  const unsigned sign = (u >> 24) & 0x80u;
+  const unsigned a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (unsigned char)(sign | NANQ);
+  if (a >= MAXF) return (unsigned char)(sign | MAXQ);
+  if (a < TINYF) {  // subnormal: a multiple of 2^(1 - BIAS - MBITS), found exactly by scaling
+    const float steps = __uint_as_float(a) * (float)(1u << (BIAS - 1 + MBITS));
+    return (unsigned char)(sign | (unsigned)__float2int_rn(steps));
+  }
+  constexpr int SHIFT = 23 - MBITS;  // float32 mantissa bits dropped
+  const unsigned r = ((a + (1u << (SHIFT - 1)) - 1u + ((a >> SHIFT) & 1u)) >> SHIFT)
+                     - ((127u - BIAS) << MBITS);
+  return (unsigned char)(sign | (r > MAXQ ? MAXQ : r));
+}
+
+// E5M2: 0 for float8_e4m3fn, 1 for float8_e5m2 (the kernels' qflags bit 0).
+__device__ __forceinline__ unsigned char cl_float8(float v, bool e5m2) {
+  return e5m2 ? cl_to_float8<2, 15, 0x47600000u, 0x38800000u, 0x7bu, 0x7eu>(v)
+              : cl_to_float8<3, 7, 0x43e00000u, 0x3c800000u, 0x7eu, 0x7fu>(v);
+}
