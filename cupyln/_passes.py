@@ -307,10 +307,14 @@ def _kernel_params(p, x_dtype, gamma, beta):
 
 
 def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAULT,
-            residual=None, hdtype=None, woff=0.0):
+            residual=None, hdtype=None, woff=0.0, quant=None):
     """The forward pass on validated CuPy arrays (``residual``: the fused add, h in
-    ``hdtype``). ``remember(hot)`` is called with the prepared pass when later calls of the
-    same signature can use it as they are (no input copies)."""
+    ``hdtype``; ``quant``: (float8 dtype, y_scale or None), y in float8). ``remember(hot)`` is
+    called with the prepared pass when later calls of the same signature can use it as they
+    are (no input copies)."""
+    if quant is not None:
+        return _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual,
+                                  hdtype, woff, *quant)
     dev = x.data.device_id
     with _on_device(dev):
         lead = x.shape[: x.ndim - k]
@@ -339,6 +343,45 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         if remember is not None and as_is:
             remember(hot)
         return hot(xr, g2, b2, out, r2)
+
+
+def _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual, hdtype, woff,
+                       y_dtype, y_scale):
+    """The forward with y in float8 (uint8 bits): one launch of the plan's norm_fwd_q, planned
+    on every call; a static scale's amax zeroed first (the kernel takes the max into it)."""
+    dev = x.data.device_id
+    with _on_device(dev):
+        lead = x.shape[: x.ndim - k]
+        M, N = math.prod(lead), math.prod(x.shape[x.ndim - k :])
+        parts = [(x.shape, np.dtype(np.uint8))] + [(lead, FLOAT32)] * (2 if is_ln else 1)
+        parts.append((lead, FLOAT32) if y_scale is None else (y_scale.shape, FLOAT32))
+        parts += [(x.shape, hdtype)] if hdtype is not None else []
+        res = [cp.empty(s, d) if o is None else o
+               for (s, d), o in zip(parts, out or (None,) * len(parts), strict=True)]
+        nstats = 2 if is_ln else 1
+        yq, qs, h = res[0], res[1 + nstats], res[-1] if hdtype is not None else None
+        if y_scale is not None:
+            qs.fill(0)
+        if not M:
+            return tuple(res)
+        gk = _offset(gamma, x.dtype, woff)
+        g2, b2 = (flat(_kernel_params(p, x.dtype, gk, beta)) for p in (gk, beta))
+        xr, ldx = rows(x, k, N)
+        r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
+                                                          k, N)
+        ptrs = [(p.data.ptr, p.itemsize) for p in (xr, g2, b2, h, r2) if p is not None]
+        lds = (ldx,) + ((ldr,) if r2 is not None else ())
+        vec = add_vec(x.dtype, vec_width(x.dtype, N, lds, ptrs + [(yq.data.ptr, 1)]))
+        wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
+        plan = _plan.plan_fwd(device_info(dev), config, x.dtype, wdtype, is_ln, M, N, vec,
+                              hdtype, False, True)
+        mean, rstd = res[1:3] if is_ln else (None, res[1])
+        args = [ptr(xr), ldx, ptr(g2), ptr(b2), ptr(yq), ptr(mean), ptr(rstd), M, N, eps,
+                ptr(r2), ldr, ptr(h), ptr(qs) if y_scale is None else 0,
+                ptr(y_scale), ptr(qs) if y_scale is not None else 0,
+                int(np.dtype(y_dtype).name == "float8_e5m2") | (2 * (y_scale is not None))]
+        launcher(plan.launch["fwd"])(_current_stream().ptr, *args)
+        return tuple(res)
 
 
 def _empty_forward(x, lead, is_ln, hdtype, out):

@@ -170,6 +170,10 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
             for n in PEEL_NPTS:
                 yield s._replace(npt=n, peeled=True, hdtype=h), "fwd"
             yield s._replace(npt=cfg.npt, peeled=True, hdtype=h), "fwd_long"
+    if add:  # y in float8: the widths the fused add runs at, rows of one chunk
+        for n, h in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
+                                      (None, *h_dtypes(s.dtype))):
+            yield s._replace(npt=n, hdtype=h, quant=True), "fwd"
 
 
 def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
@@ -332,6 +336,7 @@ class Plan:
 # Argument kinds of the kernels (see _driver): p pointer, i int64, f float32, d float64.
 _FWD_ARGS = "pipppppiiX"
 _FWD_ADD_ARGS = _FWD_ARGS + "pip"  # then the residual, its row stride, h
+_FWD_Q_ARGS = _FWD_ADD_ARGS + "pppi"  # then the row scales, the static scale, amax, qflags
 _BWD_ARGS = "pipipppppppppppiipi"  # ..., M, N, then dresidual and its row stride
 _ROWSUMS_ARGS = "pipippppii"
 _MERGE_ARGS = "pipi"  # the parts, their count per row, the row sums, M
@@ -349,6 +354,8 @@ def kernel_args(function):
         return _REDUCE_ARGS
     if function.startswith("norm_bwd"):
         return _BWD_ARGS
+    if function == "norm_fwd_q":
+        return _FWD_Q_ARGS
     args = _FWD_ADD_ARGS if "_add" in function else _FWD_ARGS
     return args + "p" if function.endswith("_parts") else args  # the parts' statistics
 
@@ -480,13 +487,36 @@ def _fwd_kinds(dtype, hdtype):
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None,
-             peel=False):
+             peel=False, quant=False):
     """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec);
     ``peel``: narrower vectors than 16 bytes whose rows start alike in x and y within 16 bytes
-    (the caller's check), so that their heads and tails can be peeled off. ValueError where
-    the plan's grid passes the device's limits."""
-    plan = _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
+    (the caller's check), so that their heads and tails can be peeled off; ``quant``: y in
+    float8 (vec from add_vec). ValueError where the plan's grid passes the device's limits,
+    or (``quant``) where one block does not hold the row."""
+    if quant:
+        plan = _plan_fwd_quant(settings(config, family(info.hip, info.warp, info.clusters)),
+                               info, dtype, wdtype, is_ln, M, N, vec, hdtype)
+    else:
+        plan = _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
     return _within_grid(plan, info, "forward", N)
+
+
+def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
+    """y in float8 (norm_fwd_q): rows of one chunk held by one block in registers, the
+    general forward's geometry; ValueError for longer rows."""
+    cfg = config.fwd
+    g = fwd_geometry(cfg, N // vec, info.warp)
+    if not g.fits:
+        raise ValueError(
+            f"float8 y on the GPU is for rows that one block holds: at most "
+            f"{cfg.tpr_max * cfg.npt * vec} elements of {dtype} at this row's vector width, "
+            f"got {N}")
+    grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
+    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
+                quant=True)
+    kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
+    launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_Q_ARGS, dtype))}
+    return Plan(spec, "fwd_q", kern, grid, block, 0, launch)
 
 
 def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):

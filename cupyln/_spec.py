@@ -30,6 +30,7 @@ class Spec(NamedTuple):
     peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
     resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
     grid: tuple[int, ...] = ()  # rows over a cooperative grid: (buffers, lag, rows a step) (alone)
+    quant: bool = False  # forward: y in float8 (its kernel alone; hdtype: with the fused add)
 
     def _types(self):
         return CTYPES[self.dtype], CTYPES[self.wdtype], _op(self.is_ln)
@@ -81,6 +82,12 @@ class Spec(NamedTuple):
         return self._bwd_row_names()
 
     def _fwd_names(self):
+        if self.quant:  # y in float8, rows of one chunk, with or without the fused add
+            t, w, op = self._types()
+            h, add = (t, "no_add") if self.hdtype is None else (CTYPES[self.hdtype],
+                                                               "residual_add")
+            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {op}, {self.vec}, {self.npt}, "
+                             f"{self.warp}, cln::{add}>"}
         if self.peeled:
             return self._fwd_peeled_names()
         if self.resident:  # rows split over a cluster, in its shared memory

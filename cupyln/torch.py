@@ -707,6 +707,85 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: int | Sequence[i
                      float(weight_offset), residual_dtype, deterministic)
 
 
+# ----------------------------------------------------------------------------- float8 outputs
+
+_FLOAT8 = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+
+
+def _float8_out(t, name):
+    """A float8 tensor's memory as the array cupyln writes y_q into: uint8 bits on CUDA, the
+    ml_dtypes float8 dtype on the CPU."""
+    from ._dtypes import FLOAT8_DTYPES
+
+    if t.is_cuda:
+        import numpy as np
+
+        return _cuda_array(t, np.dtype(np.uint8))
+    return t.view(torch.uint8).numpy().view(FLOAT8_DTYPES[_FLOAT8[t.dtype]])
+
+
+def _norm_float8(x, residual, weight, bias, shape, eps, is_ln, weight_offset, y_dtype,
+                 y_scale, residual_dtype):
+    """(y_q, scale or amax), then h with a residual: the array API's float8 forward into
+    tensors allocated by torch, on torch's current stream. No gradient flows through it."""
+    if y_dtype not in _FLOAT8:
+        raise TypeError(f"y_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                        f"{y_dtype}")
+    _tensors(x=x, weight=weight, bias=bias, y_scale=y_scale)
+    if residual is not None:
+        _tensors(residual=residual)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, residual, weight, bias)):
+        raise RuntimeError("float8 outputs carry no gradient: call under torch.no_grad() or "
+                           "with inputs that do not require grad")
+    shape = _shape(shape)
+    lead = x.shape[: x.dim() - len(shape)]
+    new = dict(device=x.device, dtype=torch.float32)
+    stats = [torch.empty(lead, **new) for _ in range(2 if is_ln else 1)]
+    scale = torch.empty(lead if y_scale is None else y_scale.shape, **new)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    h = None if residual is None else torch.empty(x.shape, dtype=residual_dtype or x.dtype,
+                                                  device=x.device)
+    out = (_float8_out(y, _FLOAT8[y_dtype]), *map(_array, stats), _array(scale),
+           *(() if h is None else (_array(h),)))
+    args = [_array(t) for t in (x, weight, bias)]
+    kw = dict(residual=_array(residual), residual_dtype=_DTYPES.get(residual_dtype),
+              weight_offset=weight_offset, y_dtype=_FLOAT8[y_dtype], y_scale=_array(y_scale))
+    if x.is_cuda:
+        import cupy
+
+        with cupy.cuda.Device(x.device.index), _stream(x.device), \
+                cupy.cuda.using_allocator(_allocator(x.device.index)):
+            api._fwd(*args, eps, shape, is_ln, out, None, **kw)
+    else:
+        api._fwd(*args, eps, shape, is_ln, out, None, **kw)
+    return (y, scale) if h is None else (y, scale, h)
+
+
+def layer_norm_fp8(x: Tensor, normalized_shape: int | Sequence[int],
+                   weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5,
+                   *, y_dtype: torch.dtype = torch.float8_e4m3fn, y_scale: Tensor | None = None,
+                   residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+                   weight_offset: float = 0.0) -> tuple[Tensor, ...]:
+    """LayerNorm with y quantized to float8 in the same pass: ``(y_q, scale)``, y_q in
+    ``y_dtype`` and ``scale`` each row's dequantization scale (float32, x's leading shape; y ~
+    y_q * scale, as ``torch._scaled_mm`` takes it); with ``y_scale`` (float32, one element)
+    one static scale, and the second output is the amax of y. With ``residual``: the fused
+    add, h last. Not differentiable (the call raises where gradients are recorded)."""
+    return _norm_float8(x, residual, weight, bias, normalized_shape, float(eps), True,
+                        float(weight_offset), y_dtype, y_scale, residual_dtype)
+
+
+def rms_norm_fp8(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
+                 eps: float | None = None, *, y_dtype: torch.dtype = torch.float8_e4m3fn,
+                 y_scale: Tensor | None = None, residual: Tensor | None = None,
+                 residual_dtype: torch.dtype | None = None,
+                 weight_offset: float = 0.0) -> tuple[Tensor, ...]:
+    """RMSNorm with y quantized to float8, as :func:`layer_norm_fp8`."""
+    return _norm_float8(x, residual, weight, None, normalized_shape, _eps(eps, x), False,
+                        float(weight_offset), y_dtype, y_scale, residual_dtype)
+
+
 # ----------------------------------------------------------------------------- modules
 
 

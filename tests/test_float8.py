@@ -150,3 +150,32 @@ _S = np.array([0.5], np.float32)
 def test_bad_float8_arguments_raise_before_any_work(exc, msg, kw):
     with pytest.raises(exc, match=msg):
         cupyln.layer_norm_fwd(_X, **kw)
+
+
+def test_torch_functions_return_float8_tensors_and_their_scales():
+    """cupyln.torch's float8 functions (CPU tensors: the NumPy path) give the array API's bits
+    as torch float8 tensors, the scales as float32 tensors, h last; they refuse to record
+    gradients and take only torch's float8 dtypes."""
+    torch = pytest.importorskip("torch")
+    import cupyln.torch as ct
+
+    x = torch.randn(6, 96, dtype=torch.bfloat16)
+    w, r = torch.randn(96, dtype=torch.bfloat16), torch.randn(6, 96, dtype=torch.bfloat16)
+    xa, wa, ra = (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) for t in (x, w, r))
+    y, scale, h = ct.rms_norm_fp8(x, 96, w, 1e-6, y_dtype=torch.float8_e5m2, residual=r)
+    want = cupyln.rms_norm_fwd(xa, wa, 1e-6, residual=ra, y_dtype="float8_e5m2")
+    assert y.dtype == torch.float8_e5m2 and scale.dtype == torch.float32
+    assert np.array_equal(y.view(torch.uint8).numpy(), want[0].view(np.uint8))
+    assert np.array_equal(scale.numpy(), want[2])
+    assert np.array_equal(h.view(torch.int16).numpy(), want[3].view(np.int16))
+    s = torch.tensor([0.05])
+    y, amax = ct.layer_norm_fp8(x, (96,), w, None, y_scale=s)
+    want = cupyln.layer_norm_fwd(xa, wa, None, y_dtype="float8_e4m3fn", y_scale=s.numpy())
+    assert np.array_equal(y.view(torch.uint8).numpy(), want[0].view(np.uint8))
+    assert amax.shape == (1,) and float(amax) == float(want[3][0])
+    with pytest.raises(TypeError, match="torch.float8_e4m3fn or torch.float8_e5m2"):
+        ct.layer_norm_fp8(x, 96, y_dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="carry no gradient"):
+        ct.layer_norm_fp8(x.clone().requires_grad_(), 96)
+    with torch.no_grad():
+        assert ct.layer_norm_fp8(x.clone().requires_grad_(), 96)[0].dtype == torch.float8_e4m3fn

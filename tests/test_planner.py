@@ -139,7 +139,7 @@ def _fake_resident_blocks(kern, threads, smem):
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
                       hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16,
-                      most_smem=None, at_once=1):
+                      most_smem=None, at_once=1, quant=False):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
@@ -162,9 +162,9 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         resident_blocks=_fake_resident_blocks)
     vec = _layout.vec_width(dtype, N, (N,), [])
     peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
-    if hdtype is not None:
+    if hdtype is not None or quant:
         return _plan.plan_fwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
-                                          add_vec(dtype, vec), hdtype, peel), built
+                                          add_vec(dtype, vec), hdtype, peel, quant), built
     if residual:
         return _plan.plan_bwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
                                           add_vec(dtype, vec), True, peel), built
@@ -1196,6 +1196,30 @@ def _golden_rows():
                         f"{plan.variant} grid {list(plan.grid)} block {list(plan.block)} "
                         f"smem {plan.smem} vec {s.vec} npt {s.npt} tiles {s.tiles} tpr {s.tpr}")
     return rows
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
+       st.integers(1, 40000), WARPS, st.booleans(), st.booleans())
+def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, warp, add, hip):
+    """y in float8: norm_fwd_q of the offline list (16-byte vectors or single elements), whole
+    rows of one chunk in one block's registers, every row covered; ValueError past that."""
+    dtype = _dtype(dt)
+    vec = add_vec(dtype, _layout.vec_width(dtype, N, (N,), []))
+    g = _plan.row_geometry(N // vec, warp, FWD.npt, FWD.npt, FWD.tpr_max, FWD.block,
+                           FWD.short_block)
+    h = dtype if add else None
+    if not g.fits:
+        with pytest.raises(ValueError, match="rows that one block holds: at most"):
+            _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
+        return
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
+    s = plan.spec
+    assert plan.variant == "fwd_q" and s.quant and s.hdtype == h and s.vec == vec
+    assert plan.kern.name == built["fwd_q"] and f"cln::{'residual_add' if add else 'no_add'}>" \
+        in plan.kern.name
+    assert built["fwd_q"] in _plan.all_kernel_names(warp, hip=hip)
+    assert (plan.block, s.npt) == ((g.tpr, g.rpb), g.npt) and g.tpr * g.npt * vec >= N
+    assert plan.grid[0] * g.rpb >= M or plan.grid[0] == 132 * FWD.grid_per_sm
 
 
 def test_the_planner_imports_neither_cupy_nor_the_compiler():

@@ -28,9 +28,12 @@ from cupyln._plan import all_kernel_names
 
 def _static(m):
     """A mangled function-local static (_ZZ <owner> E <length> <name>) as its own name."""
-    tail = re.search(r"E(\d+)(\w+)$", m.group(0))
-    return f"static_{tail.group(2)}" if tail and len(tail.group(2)) == int(tail.group(1)) \
-        else m.group(0)
+    name = m.group(0)
+    for tail in re.finditer(r"E(\d+)", name):  # the E<length><name> whose length is the rest's
+        rest = name[tail.end():]
+        if rest and len(rest) == int(tail.group(1)):
+            return f"static_{rest}"
+    return name
 
 
 def _normal(text):

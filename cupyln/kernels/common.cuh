@@ -25,6 +25,7 @@ constexpr bool in_parts = true, whole_rows = false;     // a backward row's sums
 constexpr bool peeled = true;                           // rows' heads and tails peeled off
 constexpr bool col_tiles = true, row_blocks = false;    // long rows on column tiles
 constexpr bool dresidual = true;                        // the fused add's gradient added to dx
+constexpr bool residual_add = true, no_add = false;     // the float8 forward's fused add
 constexpr int dresidual_staged = 2;  // the same, staged in shared memory (norm_bwd_resident)
 }  // namespace cln
 
@@ -132,6 +133,14 @@ __device__ __forceinline__ double cl_fma(double a, double b, double c) { return 
 // and not in another, so that their outputs differed in the last bit.
 __device__ __forceinline__ float cl_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double cl_mul(double a, double b) { return __dmul_rn(a, b); }
+// a / b correctly rounded (the float8 output's scale and quotients, bit for bit the reference's).
+__device__ __forceinline__ float cl_div(float a, float b) {
+#ifdef CLN_HIP
+  return a / b;
+#else
+  return __fdiv_rn(a, b);
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The
@@ -492,28 +501,42 @@ template <typename C> __device__ __forceinline__ C shfl_xor(C v, int lane_mask) 
 #endif
 }
 
+// The reductions' operation: a sum (the default), or the largest of values >= 0 (the quantized
+// forward's amax; NaN ignored, 0 the identity as for sums).
+struct ClSum {
+  static constexpr bool sum = true;
+};
+struct ClMax {
+  static constexpr bool sum = false;
+  __device__ __forceinline__ static float op(float a, float b) { return fmaxf(a, b); }
+};
+template <typename Op, typename C> __device__ __forceinline__ void combine(C& a, C b) {
+  if constexpr (Op::sum) a += b;  // as +=: through a call, float64 sums compiled differently
+  else a = Op::op(a, b);
+}
+
 // The threads of a row: TPR where the kernel fixes it at compile time (its caller has checked
 // the launch), else blockDim.x.
 template <int TPR> __device__ __forceinline__ int row_threads() {
   return TPR ? TPR : (int)blockDim.x;
 }
 
-// Shuffle-only part: sum over the row's threads within one warp (all of the row when tpr <= WARP).
-// Rows of whole warps take the unrolled butterfly (a loop on blockDim.x cost a compare and a
-// branch per step on the row's critical path).
-template <int WARP, int TPR = 0, int K, typename C>
+// Shuffle-only part: sum (Op) over the row's threads within one warp (all of the row when tpr <=
+// WARP). Rows of whole warps take the unrolled butterfly (a loop on blockDim.x cost a compare and
+// a branch per step on the row's critical path).
+template <int WARP, int TPR = 0, typename Op = ClSum, int K, typename C>
 __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
   if (row_threads<TPR>() >= WARP) {
 #pragma unroll
     for (int o = WARP >> 1; o > 0; o >>= 1) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+      for (int k = 0; k < K; ++k) combine<Op>(v[k], shfl_xor(v[k], o));
     }
     return;
   }
   for (int o = row_threads<TPR>() >> 1; o > 0; o >>= 1) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+    for (int k = 0; k < K; ++k) combine<Op>(v[k], shfl_xor(v[k], o));
   }
 }
 
@@ -522,10 +545,10 @@ __device__ __forceinline__ void warp_allreduce(C (&v)[K]) {
 // a fast warp's next write goes to the other buffer while slow warps still read this one.
 // TPR (> 0): the row's threads fixed at compile time (the row kernel), so the branches and the
 // butterfly's trip count below are constants.
-template <int WARP, int TPR = 0, int K, typename C>
+template <int WARP, int TPR = 0, typename Op = ClSum, int K, typename C>
 __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
   __shared__ C red[2][K][1024 / WARP];
-  warp_allreduce<WARP, TPR>(v);
+  warp_allreduce<WARP, TPR, Op>(v);
   const int tpr = row_threads<TPR>();
   if (tpr > WARP) {  // uniform over the block
     const int tid = threadIdx.y * tpr + threadIdx.x;
@@ -546,7 +569,7 @@ __device__ __forceinline__ void row_allreduce(C (&v)[K], int phase) {
       v[k] = src < nw ? red[phase & 1][k][threadIdx.y * nw + src] : C(0);
     for (int o = top; o > 0; o >>= 1) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += shfl_xor(v[k], o);
+      for (int k = 0; k < K; ++k) combine<Op>(v[k], shfl_xor(v[k], o));
     }
   }
 }

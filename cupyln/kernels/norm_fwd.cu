@@ -83,12 +83,13 @@ template <bool B> struct BoolC { static constexpr bool value = B; };
 // (one fused multiply-add) on every path: left to nvcc, the four cases fused it for float16
 // rows but not for bfloat16 rows or without gamma, and kernels' outputs differed in the
 // last bit.
-template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
-          typename C, typename R, typename H>
-__device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
-                                            C rstd, const W* __restrict__ gamma,
-                                            const W* __restrict__ beta, T* __restrict__ yr,
-                                            const H (&hg)[NPT], const H (&hb)[NPT]) {
+// `emit(k, col, o)` takes the thread's vector k (at column col) of the output, o[VEC].
+template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename W, typename C,
+          typename R, typename H, typename Emit>
+__device__ __forceinline__ void chunk_outputs(const R (&p)[NPT], int c0, int N, C mu, C rstd,
+                                              const W* __restrict__ gamma,
+                                              const W* __restrict__ beta, const H (&hg)[NPT],
+                                              const H (&hb)[NPT], Emit&& emit) {
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const int col = c0 + (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
@@ -130,8 +131,69 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
         cases(g, b);
       }
     }
-    store_vec<VEC>(yr + col, o);
+    emit(k, col, o);
   }
+}
+
+template <bool HELD, int VEC, int NPT, bool FULL, bool ONE_PATH = false, typename T, typename W,
+          typename C, typename R, typename H>
+__device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C mu,
+                                            C rstd, const W* __restrict__ gamma,
+                                            const W* __restrict__ beta, T* __restrict__ yr,
+                                            const H (&hg)[NPT], const H (&hb)[NPT]) {
+  chunk_outputs<HELD, VEC, NPT, FULL, ONE_PATH>(
+      p, c0, N, mu, rstd, gamma, beta, hg, hb,
+      [&](int, int col, const C (&o)[VEC]) { store_vec<VEC>(yr + col, o); });
+}
+
+// The quantized forward's output of a row of one chunk (QUANT in fwd_rows): the chunk's y in
+// float32 (as the reference rounds it), the row's amax (ClMax over its threads; every thread
+// of the block calls, `valid` or not), then y / scale in float8 (cl_float8). qflags bit 0:
+// float8_e5m2 (else e4m3fn); bit 1: one static scale *yscale (NaN out where it is not finite or
+// not above 0), else each row's amax / fmax (1 where 0), stored to qscale[row]. Returns the
+// row's amax (0 for an invalid row).
+template <bool HELD, int VEC, int NPT, int WARP, typename W, typename C, typename R, typename H>
+__device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu, C rstd,
+                                                 const W* __restrict__ gamma,
+                                                 const W* __restrict__ beta, const H (&hg)[NPT],
+                                                 const H (&hb)[NPT], bool valid, cl_i64 row,
+                                                 unsigned char* __restrict__ yq,
+                                                 float* __restrict__ qscale,
+                                                 const float* __restrict__ yscale, int qflags,
+                                                 int phase) {
+  float v[NPT][VEC];
+  float m[1] = {0.0f};
+  if (valid)
+    chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
+                                         [&](int k, int, const C (&o)[VEC]) {
+#pragma unroll
+                                           for (int j = 0; j < VEC; ++j) {
+                                             v[k][j] = (float)o[j];
+                                             m[0] = fmaxf(m[0], fabsf(v[k][j]));
+                                           }
+                                         });
+  row_allreduce<WARP, 0, ClMax>(m, phase);
+  if (!valid) return 0.0f;
+  const bool e5m2 = qflags & 1;
+  float scale;
+  if (qflags & 2) {
+    scale = *yscale;
+    const bool usable = scale > 0.0f && scale < __uint_as_float(0x7f800000u);  // finite, > 0
+    if (!usable) scale = __uint_as_float(0x7fc00000u);  // NaN: every quotient NaN
+  } else {
+    scale = m[0] > 0.0f ? cl_div(m[0], e5m2 ? 57344.0f : 448.0f) : 1.0f;
+    if (threadIdx.x == 0) qscale[row] = scale;
+  }
+#pragma unroll
+  for (int k = 0; k < NPT; ++k) {
+    const int col = (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
+    if (col >= N) continue;
+    Pack<unsigned char, VEC> q;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) q.v[j] = cl_float8(cl_div(v[k][j], scale), e5m2);
+    *reinterpret_cast<Pack<unsigned char, VEC>*>(yq + row * N + col) = q;
+  }
+  return m[0];
 }
 
 // Rows of one chunk (CHUNKED = false: the row stays in registers, packed as loaded, and x is
@@ -144,17 +206,28 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 // CL > 1: each row split over the CL blocks of a cluster (gridDim.y == CL, one row per block at
 // a time): a chunk spans the cluster, block r holding its part r, and the chunk's sums are added
 // through distributed shared memory.
+// QUANT: y in float8 bits (write_quantized; qscale, yscale, qflags as there), rows of one chunk
+// only; with a static scale the largest |y| of all rows goes to *qamax (zeroed by the host) by
+// one atomic max per thread that wrote a row's scale.
+template <typename T, bool QUANT> struct YOut { typedef T type; };
+template <typename T> struct YOut<T, true> { typedef unsigned char type; };
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
-          int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false, int CL = 1>
+          int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false, int CL = 1,
+          bool QUANT = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
-                                         T* __restrict__ y, float* __restrict__ mean_out,
+                                         typename YOut<T, QUANT>::type* __restrict__ y,
+                                         float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
                                          typename Acc<T>::type eps,
                                          const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
-                                         H* __restrict__ hout = nullptr) {
+                                         H* __restrict__ hout = nullptr,
+                                         float* __restrict__ qscale = nullptr,
+                                         const float* __restrict__ yscale = nullptr,
+                                         float* __restrict__ qamax = nullptr, int qflags = 0) {
   static_assert(!ADD || !(STAGE || EARLY_PARAMS || FULL), "fused add: direct rows only");
   static_assert(CL == 1 || !EARLY_PARAMS, "clusters: parameters late");
+  static_assert(!QUANT || (!CHUNKED && CL == 1 && !FULL), "float8 y: rows of one chunk");
   typedef typename Acc<T>::type C;
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
@@ -190,6 +263,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
   int phase = 0;
+  float amax = 0.0f;  // QUANT: the largest |y| of this thread's rows
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
@@ -223,16 +297,26 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       if (LN) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
-    for (int c = 0; c < nchunks && valid; ++c) {
-      const cl_i64 t0 = c * span + tile;
-      if constexpr (CHUNKED && ADD) {  // read again: h, as this thread stored it
-        load_row<VEC, NPT>(hout + row * N, t0, N, valid, p);
-      } else if constexpr (CHUNKED) {
-        load_row<VEC, NPT>(xr, t0, N, valid, p);
+    if constexpr (QUANT) {
+      amax = fmaxf(amax, write_quantized<EARLY, VEC, NPT, WARP>(
+                             p, (int)N, mu, rstd, gamma, beta, hg, hb, valid, row, y, qscale,
+                             yscale, qflags, phase));
+    } else {
+      for (int c = 0; c < nchunks && valid; ++c) {
+        const cl_i64 t0 = c * span + tile;
+        if constexpr (CHUNKED && ADD) {  // read again: h, as this thread stored it
+          load_row<VEC, NPT>(hout + row * N, t0, N, valid, p);
+        } else if constexpr (CHUNKED) {
+          load_row<VEC, NPT>(xr, t0, N, valid, p);
+        }
+        write_chunk<EARLY, VEC, NPT, FULL>(p, (int)t0, (int)N, mu, rstd, gamma, beta,
+                                          y + row * N, hg, hb);
       }
-      write_chunk<EARLY, VEC, NPT, FULL>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
-                                        hg, hb);
     }
+  }
+  if constexpr (QUANT) {  // non-negative floats order as their bits do
+    if ((qflags & 2) && threadIdx.x == 0 && amax > 0.0f)
+      atomicMax(reinterpret_cast<int*>(qamax), __float_as_int(amax));
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
   // a cluster's blocks leave together: none exits while its sums may still be on their way
@@ -553,6 +637,20 @@ template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WAR
 __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
   fwd_rows<false, false, false, T, W, LN, VEC, NPT, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
                                                                           hout);
+}
+
+// y in float8 (fwd_rows' QUANT), of the plain rows or of the fused add's: rows of one chunk,
+// 16-byte vectors or single elements (the planner's rule, as the fused add's).
+#define CLN_FWD_Q_PARAMS                                                                      \
+  const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
+      unsigned char *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, \
+      cl_i64 M, cl_i64 N, typename Acc<T>::type eps, const H *__restrict__ res, cl_i64 ldr,     \
+      H *__restrict__ hout, float *__restrict__ qscale, const float *__restrict__ yscale,       \
+      float *__restrict__ qamax, cl_i64 qflags
+template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, bool ADD>
+__global__ void __launch_bounds__(1024) norm_fwd_q(CLN_FWD_Q_PARAMS) {
+  fwd_rows<false, false, false, T, W, LN, VEC, NPT, WARP, false, H, ADD, 1, true>(
+      CLN_FWD_ARGS, res, ldr, hout, qscale, yscale, qamax, (int)qflags);
 }
 
 template <typename T, typename W, typename H, bool LN, int VEC, int WARP>
