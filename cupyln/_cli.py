@@ -30,7 +30,8 @@ JSON output (schema 1): {schema, device, copy_GBs, versions: {cupyln, cupy, torc
 rows: [...], model_steps: [...]}. A model step is {config, provider, compiled, ms}: a whole
 training step of a small model with the provider's norms (python -m cupyln.bench_models --help).
 A row is {op, M, N, dtype, pass, provider, us, GBs}:
-  op        layernorm, rmsnorm, or their fused residual add layernorm_add / rmsnorm_add
+  op        layernorm, rmsnorm, or their fused residual add layernorm_add / rmsnorm_add, or
+            y in float8_e4m3fn layernorm_fp8 / rmsnorm_fp8 (16-bit rows up to 8192)
   pass      fwd, bwd (device time); module_fwd, module_bwd (a PyTorch module's forward, and its
             backward through autograd); fwd_host, bwd_host (host time per call of 2,000
             back-to-back calls at 32x512 float16), *_host_out (the same with out=),
@@ -38,10 +39,13 @@ A row is {op, M, N, dtype, pass, provider, us, GBs}:
             fwd_compile_cold, bwd_compile_cold (first call, empty compile cache),
             fwd_first_call_warm, bwd_first_call_warm (first call, cache filled)
   provider  cupyln, torch, liger (functions); cupyln_unfused (cupyln's norm and a separate
-            add); cupyln.torch, torch.nn, liger.nn (modules)
+            add); cupyln.torch, torch.nn, liger.nn (modules); for the float8 ops: cupyln (per-row
+            scales), cupyln_static, cupyln_norm (y in x's dtype), torch / torch_static (torch's
+            norm, then (y / s).clamp(-448, 448).to(float8_e4m3fn), s per row or static)
   us        microseconds (median); GBs: bytes moved / time (null for host and first-call rows):
             forward 2*M*N*s + parameters + statistics, backward 3*M*N*s + gamma +
-            dgamma/dbeta + statistics (s: element size; the fused add 4*M*N*s each)"""
+            dgamma/dbeta + statistics (s: element size; the fused add 4*M*N*s each; float8:
+            (s + 1)*M*N + parameters + statistics + scales)"""
 
 
 def add_bench_arguments(ap):

@@ -360,9 +360,9 @@ def _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual, hdt
                for (s, d), o in zip(parts, out or (None,) * len(parts), strict=True)]
         nstats = 2 if is_ln else 1
         yq, qs, h = res[0], res[1 + nstats], res[-1] if hdtype is not None else None
-        if y_scale is not None:
-            qs.fill(0)
         if not M:
+            if y_scale is not None:
+                qs.fill(0)
             return tuple(res)
         gk = _offset(gamma, x.dtype, woff)
         g2, b2 = (flat(_kernel_params(p, x.dtype, gk, beta)) for p in (gk, beta))
@@ -374,7 +374,9 @@ def _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual, hdt
         vec = add_vec(x.dtype, vec_width(x.dtype, N, lds, ptrs + [(yq.data.ptr, 1)]))
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         plan = _plan.plan_fwd(device_info(dev), config, x.dtype, wdtype, is_ln, M, N, vec,
-                              hdtype, False, True)
+                              hdtype, False, True)  # (ValueError here: nothing written yet)
+        if y_scale is not None:
+            qs.fill(0)
         mean, rstd = res[1:3] if is_ln else (None, res[1])
         args = [ptr(xr), ldx, ptr(g2), ptr(b2), ptr(yq), ptr(mean), ptr(rstd), M, N, eps,
                 ptr(r2), ldr, ptr(h), ptr(qs) if y_scale is None else 0,

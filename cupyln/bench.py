@@ -132,6 +132,8 @@ def moved_bytes(op, pass_, M, N, isz, wsz):
     # the fused residual add moves one row array more each way: the forward reads x and the
     # residual and writes y and h; the backward also reads dresidual
     rows = 1 if op.endswith("_add") else 0
+    if op.endswith("_fp8"):  # x in, y out in float8, one float32 scale per row
+        return (isz + 1) * M * N + params + stats + M * 4
     if pass_ == "fwd":
         return (2 + 2 * rows) * M * N * isz + params + stats
     # backward reads x, dy, gamma, stats; writes dx, dgamma (and dbeta)
@@ -225,6 +227,39 @@ def cases(op, x, dy, g, b, torch, liger, deterministic=False, config=None):
             out.update(_liger_cases(op, tx, tdy, tg, tb, liger))
         except Exception:  # Liger refuses some shapes (rows over 65536 elements): left out
             pass
+    return out
+
+
+FP8_MAX_N = 8192  # float8 rows in the benchmark: 16-bit rows up to this length (model widths)
+
+
+def fp8_cases(op, x, g, b, torch):
+    """{(provider, "fwd"): callable} of y in float8_e4m3fn (``op`` "layernorm_fp8" or
+    "rmsnorm_fp8"): cupyln's one pass with per-row scales ("cupyln") or a static scale
+    ("cupyln_static"), cupyln's plain norm ("cupyln_norm"), and torch's norm followed by
+    torch's quantization, per row ("torch") or static ("torch_static")."""
+    ln = op == "layernorm_fp8"
+    fwd = cupyln.layer_norm_fwd if ln else cupyln.rms_norm_fwd
+    par = (g, b) if ln else (g,)
+    s = cp.array([0.01], cp.float32)
+    out = {("cupyln", "fwd"): lambda: fwd(x, *par, y_dtype="float8_e4m3fn"),
+           ("cupyln_static", "fwd"): lambda: fwd(x, *par, y_dtype="float8_e4m3fn", y_scale=s),
+           ("cupyln_norm", "fwd"): lambda: fwd(x, *par)}
+    if torch is None:
+        return out
+    tx, tg, tb = (_to_torch(torch, a) for a in (x, g, b))
+    ts, f8, N = _to_torch(torch, s), torch.float8_e4m3fn, x.shape[-1]
+    F = torch.nn.functional
+    norm = (lambda: F.layer_norm(tx, [N], tg, tb, 1e-5)) if ln else \
+        (lambda: F.rms_norm(tx, [N], tg, 1e-6))
+
+    def per_row():
+        y = norm().float()
+        scale = y.abs().amax(-1, keepdim=True) / 448.0
+        return (y / scale).clamp(-448.0, 448.0).to(f8), scale
+
+    out["torch", "fwd"] = per_row
+    out["torch_static", "fwd"] = lambda: (norm() / ts).clamp(-448.0, 448.0).to(f8)
     return out
 
 
@@ -528,6 +563,8 @@ def run(shapes, progress=True, sweep=(), models=True):
         ops = [(op, cases(op, x, dy, g, b, torch, liger))]
         if with_add:
             ops.append((f"{op}_add", add_cases(f"{op}_add", x, dy, g, b, torch, liger)))
+        if dtype.itemsize == 2 and N <= FP8_MAX_N:
+            ops.append((f"{op}_fp8", fp8_cases(f"{op}_fp8", x, g, b, torch)))
         for name, made in ops:
             for (prov, pass_), us in interleaved_us(made).items():
                 if isinstance(us, Exception):
@@ -585,6 +622,8 @@ def table(result):
         if c is None:
             continue
         peers = [d[k]["us"] for k in ("torch", "liger", "cupyln_unfused") if k in d]
+        if op.endswith("_fp8"):  # against what it replaces: a norm, then a quantization
+            peers = [d[k]["us"] for k in ("torch",) if k in d]
         t = d.get("torch", {}).get("us")
         li = d.get("liger", {}).get("us")
         ratio = f"{min(peers) / c['us']:.2f}x" if peers else "-"
