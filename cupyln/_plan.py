@@ -228,7 +228,7 @@ class DeviceInfo(NamedTuple):
     # What the planner asks about kernels, answered by the facts layer (cupyln._facts) or a
     # test's mock: kernels(spec, pass_, source) -> {variant: kernel with num_regs,
     # local_size_bytes, shared_size_bytes}; active_clusters(kern, cluster, block, smem) -> how
-    # many such clusters run at once; resident_blocks(kern, threads, smem) -> blocks per device.
+    # many such clusters run at once; resident_blocks(kern, threads, smem) -> blocks per SM.
     kernels: Callable | None = None
     active_clusters: Callable | None = None
     resident_blocks: Callable | None = None

@@ -809,6 +809,13 @@ class LayerNorm(torch.nn.LayerNorm):
         return _norm(x, self.weight, self.bias, self.normalized_shape, self.eps, True, 0.0,
                      self.deterministic)
 
+    def forward_fp8(self, x, residual=None, *, y_dtype=torch.float8_e4m3fn, y_scale=None):
+        """This norm with y in float8, as :func:`layer_norm_fp8` (under ``torch.no_grad()``);
+        ``residual``: of the fused add, h last."""
+        return _norm_float8(x, residual, self.weight, self.bias, self.normalized_shape,
+                            self.eps, True, 0.0, y_dtype, y_scale,
+                            getattr(self, "residual_dtype", None))
+
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` (same arguments, parameters and state_dict keys) on cupyln.
@@ -830,6 +837,12 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x):
         return _norm(x, self.weight, None, self.normalized_shape, self.eps, False,
                      self.weight_offset, self.deterministic)
+
+    def forward_fp8(self, x, residual=None, *, y_dtype=torch.float8_e4m3fn, y_scale=None):
+        """This norm with y in float8, as :func:`rms_norm_fp8` (under ``torch.no_grad()``)."""
+        return _norm_float8(x, residual, self.weight, None, self.normalized_shape,
+                            _eps(self.eps, x), False, self.weight_offset, y_dtype, y_scale,
+                            getattr(self, "residual_dtype", None))
 
 
 class FusedAddLayerNorm(LayerNorm):

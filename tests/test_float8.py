@@ -179,3 +179,27 @@ def test_torch_functions_return_float8_tensors_and_their_scales():
         ct.layer_norm_fp8(x.clone().requires_grad_(), 96)
     with torch.no_grad():
         assert ct.layer_norm_fp8(x.clone().requires_grad_(), 96)[0].dtype == torch.float8_e4m3fn
+
+
+def test_modules_quantize_with_their_own_parameters():
+    """A module's forward_fp8 is the float8 function with the module's weight, bias, eps and
+    weight offset (the fused-add modules' residual dtype too), under torch.no_grad()."""
+    torch = pytest.importorskip("torch")
+    import cupyln.torch as ct
+
+    x, r = torch.randn(5, 48), torch.randn(5, 48)
+    ln, rms = ct.LayerNorm(48, eps=1e-3), ct.FusedAddRMSNorm(48, weight_offset=1.0)
+    with torch.no_grad():
+        ln.weight.uniform_(), ln.bias.uniform_(), rms.weight.uniform_()
+        got = ln.forward_fp8(x)
+        want = ct.layer_norm_fp8(x, 48, ln.weight, ln.bias, 1e-3)
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                   for a, b in zip(got, want, strict=True))
+        y, scale, h = rms.forward_fp8(x, r, y_dtype=torch.float8_e5m2)
+        want = ct.rms_norm_fp8(x, 48, rms.weight, y_dtype=torch.float8_e5m2, residual=r,
+                               weight_offset=1.0)
+        assert torch.equal(y.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(scale, want[1]) and torch.equal(h, x + r)
+    with pytest.raises(RuntimeError, match="carry no gradient"):
+        ln.forward_fp8(x)
