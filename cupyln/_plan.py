@@ -502,10 +502,11 @@ def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, 
 
 
 def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
-    """y in float8 (norm_fwd_q): rows of one chunk held by one block in registers, the
-    general forward's geometry; ValueError for longer rows."""
+    """y in float8 (norm_fwd_q): rows of one chunk held by one block in registers, in the
+    general forward's geometry (one vector per thread for small M); ValueError for longer
+    rows."""
     cfg = config.fwd
-    g = fwd_geometry(cfg, N // vec, info.warp)
+    g = _fwd_row_geometry(cfg, info, M, N, vec)
     if not g.fits:
         raise ValueError(
             f"float8 y on the GPU is for rows that one block holds: at most "

@@ -1,5 +1,6 @@
 """The planner's geometry and layout decisions, checked on the CPU (no GPU needed)."""
 
+import functools
 import json
 import os
 import pathlib
@@ -1172,54 +1173,113 @@ def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inp
     assert _layout.peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
 
 
-# The golden table: each benchmark shape's plan per architecture on the mocked devices (their
+# The golden table: each benchmark shape's plans per architecture on the mocked devices (their
 # facts: 132 SMs, 64-register kernels, one cluster of up to 16 blocks at a time), so that a
-# refactor of the planner that changes a plan shows which. CUPYLN_WRITE_GOLDEN=1 rewrites it
-# (then the diff of tests/golden_plans.json is the change to review).
+# refactor of the planner that changes a plan shows which: the shapes of the benchmark's list
+# and of its long-row sweep (odd lengths peeled, as contiguous calls peel them), each pass
+# plain, with the fused add (h in x's dtype) and with y in float8. CUPYLN_WRITE_GOLDEN=1
+# rewrites it (then the diff of tests/golden_plans.json is the change to review).
 GOLDEN = pathlib.Path(__file__).with_name("golden_plans.json")
 ARCHS = {"sm_90": dict(warp=32), "sm_80": dict(warp=32, clusters=False),
          "cdna": dict(warp=64, hip=True), "rdna": dict(warp=32, hip=True)}
+KINDS = {"fwd": dict(pass_="fwd"), "bwd": dict(pass_="bwd"), "fwd_add": dict(pass_="fwd"),
+         "bwd_add": dict(pass_="bwd", residual=True), "fwd_float8": dict(pass_="fwd", quant=True)}
+
+
+def _golden_shapes():
+    from cupyln.bench import SWEEP
+
+    listed = json.loads((pathlib.Path(_plan.__file__).parent / "benchmark_shapes.json")
+                        .read_text())
+    shapes = [(op, M, N, dt) for op in ("layernorm", "rmsnorm") for M, N, dt in listed[op]]
+    return shapes + [s for s in SWEEP if s not in shapes]
+
+
+def _plan_text(plan):
+    s = plan.spec
+    launches = "; ".join(f"{k}: {ln.kern.name} grid {list(ln.grid)} block {list(ln.block)} "
+                         f"smem {ln.smem}" for k, ln in sorted(plan.launch.items()))
+    return (f"{plan.variant} vec {s.vec} npt {s.npt} tiles {s.tiles} tpr {s.tpr} | "
+            f"{launches}")
 
 
 def _golden_rows():
-    shapes = json.loads((pathlib.Path(_plan.__file__).parent / "benchmark_shapes.json")
-                        .read_text())
     rows = {}
     for arch, kw in ARCHS.items():
-        for op in ("layernorm", "rmsnorm"):
-            for M, N, dt in shapes[op]:
-                for pass_ in ("fwd", "bwd"):
-                    plan, _ = _plan_without_gpu(pass_, dt, M, N, is_ln=op == "layernorm",
-                                                **kw)
-                    s = plan.spec
-                    rows[f"{arch} {op} {pass_} {M}x{N} {dt}"] = (
-                        f"{plan.variant} grid {list(plan.grid)} block {list(plan.block)} "
-                        f"smem {plan.smem} vec {s.vec} npt {s.npt} tiles {s.tiles} tpr {s.tpr}")
+        for op, M, N, dt in _golden_shapes():
+            for kind, how in KINDS.items():
+                h = _dtype(dt) if kind == "fwd_add" else None
+                try:
+                    plan, _ = _plan_without_gpu(dt=dt, M=M, N=N, is_ln=op == "layernorm",
+                                                peel=True, hdtype=h, **how, **kw)
+                    text = _plan_text(plan)
+                except ValueError as e:  # refused before any work (float8's long rows)
+                    text = f"ValueError: {e}"
+                rows[f"{arch} {op} {kind} {M}x{N} {dt}"] = text
     return rows
+
+
+@functools.cache
+def _offline_names(warp, hip, clusters):
+    return _plan.all_kernel_names(warp, hip=hip, clusters=clusters)
+
+
+@given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
+       st.one_of(st.integers(1, 1 << 14), st.integers(1, 1 << 21)), st.sampled_from(sorted(ARCHS)),
+       st.sampled_from(sorted(KINDS)), st.booleans(), st.booleans())
+@example("bfloat16", 2670, 50257, "sm_90", "bwd", True, True)
+@example("float16", 64, 1048575, "sm_90", "fwd_add", False, True)
+@example("float32", 3, 400001, "cdna", "fwd", True, True)
+def test_every_plan_launches_offline_kernels_within_the_devices_limits(dt, M, N, arch, kind,
+                                                                       is_ln, peel):
+    """The invariants of every plan, whatever the rules: each launch's kernel is in the offline
+    compile list of its architecture, with the argument kinds of its C parameters; blocks of at
+    most 1024 threads, a row's threads whole warps or (rows within a warp) a power of two;
+    grids within the device's limits (or a ValueError before any work); shared memory within
+    what a block may opt into."""
+    kw = ARCHS[arch]
+    warp, hip, clusters = kw["warp"], kw.get("hip", False), kw.get("clusters", True)
+    h = _dtype(dt) if kind == "fwd_add" else None
+    try:
+        plan, _ = _plan_without_gpu(dt=dt, M=M, N=N, is_ln=is_ln, peel=peel, hdtype=h,
+                                    **KINDS[kind], **kw)
+    except ValueError as e:
+        assert "rows that one block holds" in str(e) or "past this device's limit" in str(e)
+        return
+    names = _offline_names(warp, hip, clusters and not hip)
+    for launch in plan.launch.values():
+        name = launch.kern.name
+        assert name in names, name
+        want = _plan.kernel_args(name.split("<")[0])
+        assert launch.kinds == want.replace("X", "d" if dt == "float64" else "f"), name
+        tpr, rows = (tuple(launch.block) + (1,))[:2]
+        assert tpr * rows <= 1024 and (tpr % warp == 0 or (tpr < warp and not tpr & (tpr - 1)))
+        assert all(0 < g <= most for g, most in zip(launch.grid, (2**31 - 1, 65535, 65535),
+                                                    strict=False))
+        assert 0 <= launch.smem <= 227 * 1024
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
        st.integers(1, 40000), WARPS, st.booleans(), st.booleans())
 def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, warp, add, hip):
-    """y in float8: norm_fwd_q of the offline list (16-byte vectors or single elements), whole
-    rows of one chunk in one block's registers, every row covered; ValueError past that."""
+    """y in float8: norm_fwd_q of the offline list, 16-byte vectors or single elements, each
+    row in one chunk of one block's threads and every row covered, wherever ``tpr_max``
+    threads of ``npt`` vectors hold the row; a ValueError past that."""
     dtype = _dtype(dt)
     vec = add_vec(dtype, _layout.vec_width(dtype, N, (N,), []))
-    g = _plan.row_geometry(N // vec, warp, FWD.npt, FWD.npt, FWD.tpr_max, FWD.block,
-                           FWD.short_block)
     h = dtype if add else None
-    if not g.fits:
+    if N > FWD.tpr_max * FWD.npt * vec:
         with pytest.raises(ValueError, match="rows that one block holds: at most"):
             _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
         return
     plan, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
-    s = plan.spec
+    s, (tpr, rpb) = plan.spec, plan.block
     assert plan.variant == "fwd_q" and s.quant and s.hdtype == h and s.vec == vec
     assert plan.kern.name == built["fwd_q"] and f"cln::{'residual_add' if add else 'no_add'}>" \
         in plan.kern.name
     assert built["fwd_q"] in _plan.all_kernel_names(warp, hip=hip)
-    assert (plan.block, s.npt) == ((g.tpr, g.rpb), g.npt) and g.tpr * g.npt * vec >= N
-    assert plan.grid[0] * g.rpb >= M or plan.grid[0] == 132 * FWD.grid_per_sm
+    assert tpr * s.npt * vec >= N and tpr * rpb <= 1024
+    assert plan.grid[0] * rpb >= M or plan.grid[0] == 132 * FWD.grid_per_sm
 
 
 def test_the_planner_imports_neither_cupy_nor_the_compiler():
