@@ -1,13 +1,13 @@
 """Kernel source -> ``cupy.RawModule``: one cached module per (device, specialization).
 
-A specialization (:class:`Spec`) fixes the template arguments of one kernel family: the data
-type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread, the
-warp size, for the long-row backward the blocks of a thread-block cluster and, for the row
-kernel, the threads of a row. One module holds
-the kernels of one pass of a specialization (the forward kernels; the backward kernels of rows
-within a block with the partial reduction; or, for longer rows, the column-tile kernels with the
-row sums and the partial reduction), so a call compiles little more than it launches. CuPy's
-own disk cache (``CUPY_CACHE_DIR``) keeps the binaries across processes.
+A specialization (``cupyln._spec.Spec``) fixes the template arguments of one kernel family: the
+data type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread,
+the warp size, for the long-row backward the blocks of a thread-block cluster and, for the row
+kernel, the threads of a row. One module holds the kernels of one pass of a specialization (the
+forward kernels; the backward kernels of rows within a block with the partial reduction; or,
+for longer rows, the column-tile kernels with the row sums and the partial reduction), so a
+call compiles little more than it launches. CuPy's own disk cache (``CUPY_CACHE_DIR``) keeps
+the binaries across processes.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-
-from ._spec import Spec  # noqa: F401 (a specialization: what this module compiles)
 
 OPTIONS = ("-std=c++17",)
 HEADERS = ("float8.cuh", "common.cuh", "cluster.cuh", "bwd_common.cuh")

@@ -73,8 +73,9 @@ def test_every_specialization_compiles_with_nvrtc(arch, chunk):
 
 def test_nvrtc_front_end_finds_errors():
     pytest.importorskip("cupy")
-    from cupyln._compile import Spec, compile_nvrtc, source
+    from cupyln._compile import compile_nvrtc, source
     from cupyln._dtypes import FLOAT16
+    from cupyln._spec import Spec
 
     names = set(Spec(FLOAT16, FLOAT16, True, 8, 4, 32).names("fwd").values())
     bad = source().replace("const C rstd = cl_rsqrt(m2 * inv_n + eps);",
@@ -165,8 +166,8 @@ def test_installed_package_finds_its_sources():
 
 
 def test_kernel_names_say_what_the_kernel_is():
-    from cupyln._compile import Spec
     from cupyln._dtypes import FLOAT16
+    from cupyln._spec import Spec
 
     names = Spec(FLOAT16, FLOAT16, True, 8, 4, 32).names("fwd")
     assert names["fwd_staged"] == (
