@@ -306,6 +306,17 @@ def _kernel_params(p, x_dtype, gamma, beta):
     return p.astype(kernel_param_dtype(x_dtype, w), copy=False)
 
 
+def _forward_inputs(x, gamma, beta, residual, k, N, hdtype, woff):
+    """(gamma, beta, x's rows and row stride, the residual's and its) as the forward kernels take
+    them: parameters flat in the kernels' dtype (gamma + woff a new array: never remembered),
+    the residual in h's dtype."""
+    gk = _offset(gamma, x.dtype, woff)
+    g2, b2 = (flat(_kernel_params(p, x.dtype, gk, beta)) for p in (gk, beta))
+    xr, ldx = rows(x, k, N)
+    r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False), k, N)
+    return g2, b2, xr, ldx, r2, ldr
+
+
 def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAULT,
             residual=None, hdtype=None, woff=0.0, quant=None):
     """The forward pass on validated CuPy arrays (``residual``: the fused add, h in
@@ -322,11 +333,7 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         N = math.prod(x.shape[x.ndim - k :])
         if not M:
             return _empty_forward(x, lead, is_ln, hdtype, out)
-        gk = _offset(gamma, x.dtype, woff)  # a new array with an offset: never remembered
-        g2, b2 = (flat(_kernel_params(p, x.dtype, gk, beta)) for p in (gk, beta))
-        xr, ldx = rows(x, k, N)
-        r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
-                                                          k, N)
+        g2, b2, xr, ldx, r2, ldr = _forward_inputs(x, gamma, beta, residual, k, N, hdtype, woff)
         as_is = g2 is gamma and b2 is beta and xr is x and r2 is residual
         # the given y and h (the statistics are not vectors)
         y, h = (out[0], out[-1] if hdtype is not None else None) if out else (None, None)
@@ -364,11 +371,7 @@ def _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual, hdt
             if y_scale is not None:
                 qs.fill(0)
             return tuple(res)
-        gk = _offset(gamma, x.dtype, woff)
-        g2, b2 = (flat(_kernel_params(p, x.dtype, gk, beta)) for p in (gk, beta))
-        xr, ldx = rows(x, k, N)
-        r2, ldr = (None, 0) if residual is None else rows(residual.astype(hdtype, copy=False),
-                                                          k, N)
+        g2, b2, xr, ldx, r2, ldr = _forward_inputs(x, gamma, beta, residual, k, N, hdtype, woff)
         ptrs = [(p.data.ptr, p.itemsize) for p in (xr, g2, b2, h, r2) if p is not None]
         lds = (ldx,) + ((ldr,) if r2 is not None else ())
         vec = add_vec(x.dtype, vec_width(x.dtype, N, lds, ptrs + [(yq.data.ptr, 1)]))
