@@ -58,7 +58,7 @@ for s in $stages; do
     tests) # cupyln.torch's C++ layer built first, then its Python layer alone as well
       CUPYLN_TORCH_NATIVE=wait run tests python3 -m pytest -m "not slow" -q -p no:cacheprovider \
         "${workers[@]}" ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_*.py tests/test_torch.py \
-        tests/test_torch_native.py tests/test_readme.py tests/test_notebooks.py
+        tests/test_torch_native.py tests/test_hf.py tests/test_readme.py tests/test_notebooks.py
       CUPYLN_TORCH_NATIVE=0 run torch_py python3 -m pytest -q -p no:cacheprovider \
         ${TESTS_K:+-k "$TESTS_K"} tests/test_torch.py ;;
     train) run train python3 examples/train_torch.py --json "$OUT/train.json" \

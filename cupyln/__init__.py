@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ._config import Config
 from ._dtypes import SUPPORTED_DTYPES
-from .api import clear_caches, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
+from .api import OutDtypeError, clear_caches, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 
 __version__ = "0.2.0"
 
@@ -34,6 +34,7 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=None, 
 __all__ = [
     "SUPPORTED_DTYPES",
     "Config",
+    "OutDtypeError",
     "clear_caches",
     "layer_norm_bwd",
     "layer_norm_fwd",

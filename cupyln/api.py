@@ -308,6 +308,11 @@ def _check_bwd(dy, x, gamma, stats, dresidual=None):
     return kind, k
 
 
+class OutDtypeError(TypeError, ValueError):
+    """An ``out=`` entry of the wrong dtype: a wrong type of array and a wrong value of the
+    argument, so ``except TypeError`` and ``except ValueError`` both catch it."""
+
+
 def _check_out(out, want, kind, dev, inputs):
     """Validate ``out=``: None, or a tuple with one entry per output, each None (allocate it) or
     an array of the output's exact shape and dtype, C-contiguous, of the inputs' kind and device,
@@ -330,7 +335,7 @@ def _check_out(out, want, kind, dev, inputs):
         if _kind([(label, o)]) != kind:
             raise TypeError(f"{label} must be a {kind} array like the inputs")
         if o.dtype != dtype:
-            raise TypeError(f"{label} has dtype {o.dtype}; expected {np.dtype(dtype)}")
+            raise OutDtypeError(f"{label} has dtype {o.dtype}; expected {np.dtype(dtype)}")
         if tuple(o.shape) != tuple(shape):
             raise ValueError(f"{label} has shape {tuple(o.shape)}; expected {tuple(shape)}")
         if not o.flags.c_contiguous:

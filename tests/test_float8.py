@@ -141,7 +141,7 @@ _S = np.array([0.5], np.float32)
      dict(y_dtype="float8_e5m2", y_scale=np.array([np.inf], np.float32))),
     (TypeError, "y_scale must be a numpy.ndarray or cupy.ndarray, got float",
      dict(y_dtype="float8_e5m2", y_scale=0.5)),
-    (TypeError, "out y has dtype float32; expected float8_e4m3fn",
+    (cupyln.OutDtypeError, "out y has dtype float32; expected float8_e4m3fn",
      dict(y_dtype="float8_e4m3fn", out=(np.empty((2, 4), np.float32), None, None, None))),
     (ValueError, r"out amax has shape \(2,\); expected \(1,\)",
      dict(y_dtype="float8_e4m3fn", y_scale=_S,
@@ -150,6 +150,14 @@ _S = np.array([0.5], np.float32)
 def test_bad_float8_arguments_raise_before_any_work(exc, msg, kw):
     with pytest.raises(exc, match=msg):
         cupyln.layer_norm_fwd(_X, **kw)
+
+
+@pytest.mark.parametrize("caught", [TypeError, ValueError])
+def test_a_wrong_out_dtype_is_caught_as_a_type_or_a_value_error(caught):
+    y = np.zeros((2, 4), np.uint8)  # a float8's bits, but not its dtype on NumPy
+    with pytest.raises(caught, match="out y has dtype uint8; expected float8_e5m2"):
+        cupyln.rms_norm_fwd(_X, y_dtype="float8_e5m2", out=(y, None, None))
+    assert not y.any()
 
 
 def test_torch_functions_return_float8_tensors_and_their_scales():
