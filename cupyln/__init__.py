@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from ._config import Config
 from ._dtypes import SUPPORTED_DTYPES
-from .api import OutDtypeError, clear_caches, layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
+from .api import (
+    OutDtypeError,
+    clear_caches,
+    layer_norm_bwd,
+    layer_norm_fwd,
+    rms_norm_bwd,
+    rms_norm_fwd,
+)
 
 __version__ = "0.2.0"
 
