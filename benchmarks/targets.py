@@ -1,4 +1,4 @@
-"""The long-row and fused-add targets, met or missed, read from one record.
+"""The long-row, fused-add and float8 targets, met or missed, read from one record.
 
     python benchmarks/targets.py RECORD.json [OLD.json] [-v]   # OLD: "no pass 2% slower"
 
@@ -76,6 +76,21 @@ def fused(copy, rows):
     return frac, speed
 
 
+def quantize_speed(rows):
+    """Margins of the one-pass float8 forward against torch's norm then quantization, per-row
+    scales and static, at 16384x8192 bf16."""
+    out = []
+    for op in ("layernorm_fp8", "rmsnorm_fp8"):
+        for ours, theirs in (("cupyln", "torch"), ("cupyln_static", "torch_static")):
+            a = rows.get((op, 16384, 8192, "bfloat16", "fwd", ours))
+            b = rows.get((op, 16384, 8192, "bfloat16", "fwd", theirs))
+            if a is not None and b is not None:
+                x = b["us"] / a["us"]
+                out.append((x - 1.8, f"{op} {ours} {a['us']:.1f} / {theirs} {b['us']:.1f} us "
+                                      f"{x:.2f}x"))
+    return out
+
+
 def main(path, old=None, verbose=False):
     copy, rows = load(path)
     lines = [("long rows: large passes, forward >= 88% of copy",
@@ -93,7 +108,7 @@ def main(path, old=None, verbose=False):
         lines.append((f"long rows: 1x65536 bf16 {p} <= 8 us",
                       shape_us(rows, "layernorm", 1, 65536, "bfloat16", p, 8.0)))
     lines.append(("long rows: no slower than the best peer (plain passes)",
-                  [c for c in peers(rows) if "_add" not in c[1]]))
+                  [c for c in peers(rows) if "_add" not in c[1] and "_fp8" not in c[1]]))
     if old is not None:
         _, before = load(old)
         cases = [(1.02 - r["us"] / before[k]["us"], f"{' '.join(map(str, k[:5]))} "
@@ -107,6 +122,9 @@ def main(path, old=None, verbose=False):
     lines.append(("fused add: RMSNorm no slower than Liger's",
                   peers({k: v for k, v in rows.items()
                          if k[0] == "rmsnorm_add" and k[5] != "torch"})))
+    lines.append(("float8: large passes >= 90% of copy",
+                  bandwidth(copy, rows, ("layernorm_fp8", "rmsnorm_fp8"), "fwd", 0.90)))
+    lines.append(("float8: 16384x8192 bf16 >= 1.8x norm then quantize", quantize_speed(rows)))
     width = max(len(t) for t, _ in lines)
     for title, cases in lines:
         missed = sum(m < 0 for m, _ in cases)
