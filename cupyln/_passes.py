@@ -267,6 +267,8 @@ def _atomic_scratch(dev, stream, nbytes, own):
         # a larger one, zeroed on this stream before the kernel that first uses it; the one it
         # replaces goes back to the pool, reused only in this stream's order
         size = max(nbytes, 1 << 16)
+        if len(_SCRATCH) >= 256:  # streams a program made and dropped: their scratch freed
+            _SCRATCH.clear()
         mem = cp.cuda.alloc(size)
         cp.cuda.runtime.memsetAsync(mem.ptr, 0, size, stream)
         _SCRATCH[dev, stream] = mem
