@@ -11,6 +11,7 @@ and the config; this module imports neither CuPy nor the compiler. Plans are cac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -501,11 +502,16 @@ def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, 
     return _within_grid(plan, info, "forward", N)
 
 
+QUANT_THREADS = 512  # norm_fwd_q's launch bound past one element a vector: 1024 spilled
+
+
 def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
     """y in float8 (norm_fwd_q): rows of one chunk held by one block in registers, in the
     general forward's geometry (one vector per thread for small M); ValueError for longer
     rows."""
     cfg = config.fwd
+    if vec > 1:
+        cfg = dataclasses.replace(cfg, tpr_max=min(cfg.tpr_max, QUANT_THREADS))
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     if not g.fits:
         raise ValueError(

@@ -7,6 +7,7 @@ import pytest
 from gpu_cases import BF16, F16, F32, F64, host
 
 import cupyln
+from cupyln import _plan, reference
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -22,7 +23,7 @@ def _codes(q):
 
 
 def _run(op, M, N, dt, f8, static, residual, seed=0):
-    """The GPU's outputs and the NumPy path's for one case (host arrays)."""
+    """The GPU's outputs, the NumPy path's, and the reference's y in float64 (host arrays)."""
     x = host((M, N), dt, seed, 0.7, 0.3)
     g = host((N,), dt, seed + 1, 0.3, 1.0)
     b = host((N,), dt, seed + 2, 0.2)
@@ -35,7 +36,20 @@ def _run(op, M, N, dt, f8, static, residual, seed=0):
     gpu = fn(*(cp.asarray(a) for a in args), **{k: None if v is None else
                                                 (cp.asarray(v) if isinstance(v, np.ndarray)
                                                  else v) for k, v in kw.items()})
-    return [a.get() for a in gpu], want
+    rows = want[-1] if residual else x  # h as stored (x's dtype), normalized
+    f64 = [a.astype(np.float64) for a in (rows, *args[1:])]
+    y64 = (reference.layer_norm_fwd if op == "ln" else reference.rms_norm_fwd)(*f64)[0]
+    return [a.get() for a in gpu], want, y64
+
+
+def _code_bounds(y64, scale, f8, err):
+    """The float8 codes of (y64 - err) / scale and (y64 + err) / scale: where a y within err
+    of y64 quantizes to, per element (``scale`` per row or one)."""
+    def codes(v):
+        q, _ = reference.quantize(v / np.reshape(scale, (-1, 1)), f8, np.float32(1))
+        return _codes(q.view(np.uint8))
+
+    return codes(y64 - err), codes(y64 + err)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -44,18 +58,24 @@ def _run(op, M, N, dt, f8, static, residual, seed=0):
 @pytest.mark.parametrize("dt", [F16, BF16, F32, F64], ids=str)
 @pytest.mark.parametrize("M,N,residual", [(1000, 4096, False), (37, 768, True), (5, 33, False),
                                           (300, 8192, False), (2, 32768 // 2, True)])
-def test_float8_outputs_match_the_reference_within_one_step(op, f8, static, dt, M, N,
-                                                            residual):
-    """y_q within one float8 step of the NumPy path's (equal bits wherever the kernel's float32
-    y rounds as the reference's: nearly everywhere), the scales or the amax and the statistics
-    within float32's error, h bit for bit."""
-    if dt == F64 and N * 8 > 16 * 4 * 1024:
-        pytest.skip("longer than a float64 row one block holds")
-    got, want = _run(op, M, N, dt, f8, static, residual)
+def test_float8_outputs_match_the_reference_within_float32s_error(op, f8, static, dt, M, N,
+                                                                  residual):
+    """y_q equal to the NumPy path's bits nearly everywhere (where the kernel's float32 y rounds
+    as the reference's), and everywhere between the codes of the float64 y -+ float32's error
+    (relative to the row's largest |y|: near 0, where x - mean cancels, e5m2's range resolves
+    that error into many codes); the scales or the amax and the statistics within float32's
+    error, h bit for bit."""
+    if N * np.dtype(dt).itemsize > 16 * 4 * _plan.QUANT_THREADS:  # (N even: 16-byte vectors)
+        pytest.skip("longer than a row one block holds")
+    got, want, y64 = _run(op, M, N, dt, f8, static, residual)
     stats = 2 if op == "ln" else 1
     assert got[0].dtype == np.uint8 and got[0].shape == (M, N)
-    d = np.abs(_codes(got[0]) - _codes(want[0].view(np.uint8)))
-    assert d.max() <= 1 and (d > 0).mean() < 0.01, (d.max(), (d > 0).mean())
+    code = _codes(got[0])
+    assert (code != _codes(want[0].view(np.uint8))).mean() < 0.01
+    scale = want[1 + stats] if not static else np.float32(0.02)
+    err = 1e-5 * np.abs(y64).max(axis=1, keepdims=True)
+    lo, hi = _code_bounds(y64, scale, F8[f8], err)
+    assert ((lo <= code) & (code <= hi)).all(), np.argwhere((code < lo) | (code > hi))[:5]
     tol = 1e-6 if dt == F64 else 1e-5  # the kernel's float32 statistics against float64's
     np.testing.assert_allclose(got[1 + stats], want[1 + stats], rtol=tol)
     for a, w in zip(got[1 : 1 + stats], want[1 : 1 + stats], strict=True):

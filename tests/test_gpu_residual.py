@@ -173,7 +173,7 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
         long = N // wide >= 8 * wide if pass_ == "fwd" else 64 <= N // wide <= 1024 or tiles
         plans.spy(pass_)
         for peel in (True, False):
-            plans.replan(**{f"{pass_}_peel": peel}, **(PEEL_FEW if peel else {}))
+            plans.replan(peel=peel, **(PEEL_FEW if peel else {}))
             run_fused(op, M, N, dt, wdt, hdt, layout=layout, config=plans.config)
             peeled = [p.variant.startswith(f"{pass_}_peeled") for p in plans]
             can = peel and alike and (pass_ == "bwd" or hdt is None)
@@ -186,15 +186,15 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
 # staged rows, column tiles after the row sums, clusters of column tiles, one cluster of all rows,
 # long rows held in shared memory or over a cooperative grid.
 BWD_VARIANTS = {
-    "direct": ({"bwd_stage": "never", "bwd_cluster_sums": False}, 4096, 1024),
-    "staged": ({"bwd_stage": "always", "bwd_cluster_sums": False}, 4096, 1024),
+    "direct": ({"stage": "never", "bwd_cluster_sums": False}, 4096, 1024),
+    "staged": ({"stage": "always", "bwd_cluster_sums": False}, 4096, 1024),
     # two vectors per thread (bfloat16): dresidual staged with x and dy
-    "staged, two vectors": ({"bwd_stage": "always", "bwd_cluster_sums": False}, 600, 8192),
-    "atomic": ({"bwd_atomic_flush": True, "bwd_cluster_sums": False}, 2000, 4096),
-    "row sums and tiles": ({"bwd_cluster": False}, 64, 40000),
+    "staged, two vectors": ({"stage": "always", "bwd_cluster_sums": False}, 600, 8192),
+    "atomic": ({"atomic_flush": True, "bwd_cluster_sums": False}, 2000, 4096),
+    "row sums and tiles": ({"cluster": False}, 64, 40000),
     "cluster tiles": ({}, 64, 40000),
     "cluster tiles, single elements": ({}, 8, 3583),
-    "staged cluster tiles": ({"bwd_stage": "always"}, 300, 40000),
+    "staged cluster tiles": ({"stage": "always"}, 300, 40000),
     "one cluster of all rows": ({}, 16, 512),
     "rows held in 16 tiles": ({}, 20, 140000),
     "rows held in 16 tiles, dresidual from L2": ({}, 16, 262144),

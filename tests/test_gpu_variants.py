@@ -65,7 +65,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
     plans.spy(pass_)
     out, grids, dynamic = {}, {}, False
     for mode in ("always", "never"):
-        plans.replan(**{f"{pass_}_stage": mode})
+        plans.replan(stage=mode)
         x, dy, g = (cp.asarray(a) for a in case[:3])
         cfg = plans.config
         if op == "ln":
@@ -701,7 +701,7 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
                         ("bwd", 64 <= N // wide <= 1024 or tiles)):
         plans.spy(pass_)
         for peel in (True, False):
-            plans.replan(**{f"{pass_}_peel": peel}, **(PEEL_FEW if peel else {}))
+            plans.replan(peel=peel, **(PEEL_FEW if peel else {}))
             check_case(op, *case, layout=layout, config=plans.config)
             check_case(op, *case, layout=layout, config=plans.config, deterministic=True,
                        need=(False, True, op == "ln"))
@@ -888,8 +888,8 @@ def test_peeled_rows_staged(plans, op, M, N, dt, wdt, extra):
     x_h, _, g_h, b_h = inputs(M, N, dt, wdt)
     x = padded(cp.asarray(x_h), extra) if extra else cp.asarray(x_h)
     _peeled_fwd_alike(plans, op, x_h, x, g_h, b_h if op == "ln" else None,
-                      [({"fwd_stage": "auto"}, "fwd_peeled_staged"),
-                       ({"fwd_stage": "never", "fwd_peel_block_spill": 1 << 20},
+                      [({"stage": "auto"}, "fwd_peeled_staged"),
+                       ({"stage": "never", "fwd_peel_block_spill": 1 << 20},
                         "fwd_peeled")])
 
 

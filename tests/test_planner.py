@@ -1253,12 +1253,14 @@ def test_every_plan_launches_offline_kernels_within_the_devices_limits(dt, M, N,
        st.integers(1, 40000), WARPS, st.booleans(), st.booleans())
 def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, warp, add, hip):
     """y in float8: norm_fwd_q of the offline list, 16-byte vectors or single elements, each
-    row in one chunk of one block's threads and every row covered, wherever ``tpr_max``
-    threads of ``npt`` vectors hold the row; a ValueError past that."""
+    row in one chunk of one block's threads (at most the kernel's launch bound) and every row
+    covered, wherever that many threads of ``npt`` vectors hold the row; a ValueError past
+    that."""
     dtype = _dtype(dt)
     vec = add_vec(dtype, _layout.vec_width(dtype, N, (N,), []))
     h = dtype if add else None
-    if N > FWD.tpr_max * FWD.npt * vec:
+    threads = _plan.QUANT_THREADS if vec > 1 else FWD.tpr_max
+    if N > threads * FWD.npt * vec:
         with pytest.raises(ValueError, match="rows that one block holds: at most"):
             _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
         return
@@ -1268,7 +1270,7 @@ def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, 
     assert plan.kern.name == built["fwd_q"] and f"cln::{'residual_add' if add else 'no_add'}>" \
         in plan.kern.name
     assert built["fwd_q"] in _plan.all_kernel_names(warp, hip=hip)
-    assert tpr * s.npt * vec >= N and tpr * rpb <= 1024
+    assert tpr * s.npt * vec >= N and tpr * rpb <= threads
     assert plan.grid[0] * rpb >= M or plan.grid[0] == 132 * FWD.grid_per_sm
 
 

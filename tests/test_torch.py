@@ -114,35 +114,37 @@ def test_torch_compile_fullgraph_without_graph_breaks():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("fused", [False, True])
 def test_reduce_overhead_captures_the_norms_in_its_cuda_graphs(fused):
-    """torch.compile(mode="reduce-overhead") runs cupyln's ops inside its CUDA graphs: inductor
-    skips no graph for them, and replayed steps give eager's loss and gradients."""
+    """torch.compile(mode="reduce-overhead") runs cupyln's ops inside its CUDA graphs, forward
+    and backward: inductor skips no graph for them, and replayed steps give eager's loss and
+    gradients."""
     from torch._dynamo.utils import counters
 
-    def make(norm, add_norm):
+    def make(norm, last):
         torch.manual_seed(0)
-        return torch.nn.ModuleList([torch.nn.Linear(256, 256), norm(256), add_norm(256)]).cuda()
+        return torch.nn.ModuleList([torch.nn.Linear(256, 256), norm(256), last(256)]).cuda()
 
-    def step(model, x):
+    def forward(model, x, fused):
         h = model[0](x)
         y = model[1](h)
         y = model[2](y, h)[0] if fused else model[2](y + h)
-        loss = y.square().mean()
-        loss.backward()
-        return loss
+        return y.square().mean()
 
     ours = make(ct.LayerNorm, ct.FusedAddRMSNorm if fused else ct.RMSNorm)
     ref = make(torch.nn.LayerNorm, torch.nn.RMSNorm)
     ref.load_state_dict(ours.state_dict())
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(lambda x: step(ours, x), mode="reduce-overhead")
+    compiled = torch.compile(lambda x: forward(ours, x, fused), mode="reduce-overhead")
     for seed in range(4):
         x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
         for m in (ours, ref):
             m.zero_grad(set_to_none=False)
-        got = compiled(x).item()
-        want = step(ref, x).item()
-        assert got == pytest.approx(want, rel=1e-4)
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(x)
+        loss.backward()
+        want = forward(ref, x, False)
+        want.backward()
+        assert loss.item() == pytest.approx(want.item(), rel=1e-4)
         for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
             assert torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-5)
     assert counters["inductor"]["cudagraph_skips"] == 0

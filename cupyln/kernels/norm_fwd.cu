@@ -161,16 +161,13 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
                                                  float* __restrict__ qscale,
                                                  const float* __restrict__ yscale, int qflags,
                                                  int phase) {
-  float v[NPT][VEC];
   float m[1] = {0.0f};
   if (valid)
     chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
-                                         [&](int k, int, const C (&o)[VEC]) {
+                                         [&](int, int, const C (&o)[VEC]) {
 #pragma unroll
-                                           for (int j = 0; j < VEC; ++j) {
-                                             v[k][j] = (float)o[j];
-                                             m[0] = fmaxf(m[0], fabsf(v[k][j]));
-                                           }
+                                           for (int j = 0; j < VEC; ++j)
+                                             m[0] = fmaxf(m[0], fabsf((float)o[j]));
                                          });
   row_allreduce<WARP, 0, ClMax>(m, phase);
   if (!valid) return 0.0f;
@@ -181,18 +178,25 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
     const bool usable = scale > 0.0f && scale < __uint_as_float(0x7f800000u);  // finite, > 0
     if (!usable) scale = __uint_as_float(0x7fc00000u);  // NaN: every quotient NaN
   } else {
-    scale = m[0] > 0.0f ? cl_div(m[0], e5m2 ? 57344.0f : 448.0f) : 1.0f;
+    scale = m[0] > 0.0f ? ClDivisor(e5m2 ? 57344.0f : 448.0f)(m[0]) : 1.0f;
     if (threadIdx.x == 0) qscale[row] = scale;
   }
+  // y computed again rather than held from the first pass: a chunk of float32s held across
+  // the reduction spilled registers. The format is chosen once, not per element.
+  auto store = [&](auto to_float8, auto divide) {
+    chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
+                                         [&](int, int col, const C (&o)[VEC]) {
+                                           Pack<unsigned char, VEC> q;
 #pragma unroll
-  for (int k = 0; k < NPT; ++k) {
-    const int col = (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
-    if (col >= N) continue;
-    Pack<unsigned char, VEC> q;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) q.v[j] = cl_float8(cl_div(v[k][j], scale), e5m2);
-    *reinterpret_cast<Pack<unsigned char, VEC>*>(yq + row * N + col) = q;
-  }
+                                           for (int j = 0; j < VEC; ++j)
+                                             q.v[j] = to_float8(divide((float)o[j]));
+                                           *reinterpret_cast<Pack<unsigned char, VEC>*>(
+                                               yq + row * N + col) = q;
+                                         });
+  };
+  const ClDivisor divide(scale);
+  if (e5m2) store([](float v) { return cl_float8(v, true); }, divide);
+  else store([](float v) { return cl_float8(v, false); }, divide);
   return m[0];
 }
 
@@ -648,7 +652,7 @@ __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
       H *__restrict__ hout, float *__restrict__ qscale, const float *__restrict__ yscale,       \
       float *__restrict__ qamax, cl_i64 qflags
 template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, bool ADD>
-__global__ void __launch_bounds__(1024) norm_fwd_q(CLN_FWD_Q_PARAMS) {
+__global__ void __launch_bounds__(VEC == 1 ? 1024 : 512) norm_fwd_q(CLN_FWD_Q_PARAMS) {
   fwd_rows<false, false, false, T, W, LN, VEC, NPT, WARP, false, H, ADD, 1, true>(
       CLN_FWD_ARGS, res, ldr, hout, qscale, yscale, qamax, (int)qflags);
 }
