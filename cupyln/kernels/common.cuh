@@ -133,43 +133,6 @@ __device__ __forceinline__ double cl_fma(double a, double b, double c) { return 
 // and not in another, so that their outputs differed in the last bit.
 __device__ __forceinline__ float cl_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double cl_mul(double a, double b) { return __dmul_rn(a, b); }
-// a / b correctly rounded (the float8 output's scale and quotients, bit for bit the reference's).
-__device__ __forceinline__ float cl_div(float a, float b) {
-#ifdef CLN_HIP
-  return a / b;
-#else
-  return __fdiv_rn(a, b);
-#endif
-}
-// Quotients a / d of one divisor, correctly rounded as cl_div's, without the division's call to
-// its slow path (a call made the kernels keep their registers on the stack). d is scaled by a
-// power of 2 into [1, 2) and each dividend by the same, as two exact products (the power may
-// pass float's range; a dividend the scaling overflows or flushes has a quotient that a float8
-// saturates or flushes as well); the product by the scaled divisor's rounded reciprocal is then
-// corrected twice by its exact remainder (Markstein). A non-finite product stays (d infinite: 0).
-struct ClDivisor {
-  float b, r, p1, p2;
-  __device__ __forceinline__ explicit ClDivisor(float d) {
-    const bool sub = (__float_as_uint(d) & 0x7f800000u) == 0;  // subnormal (or 0): 2^64 first
-    const int e = (int)((__float_as_uint(sub ? d * 0x1p64f : d) >> 23) & 0xffu);
-    const int k = 127 - e + (sub ? 64 : 0), k1 = k / 2;  // d * 2^k in [1, 2)
-    p1 = __uint_as_float((unsigned)(k1 + 127) << 23);
-    p2 = __uint_as_float((unsigned)(k - k1 + 127) << 23);
-    b = d * p1 * p2;
-#ifdef CLN_HIP
-    r = 1.0f / b;
-#else
-    r = __frcp_rn(b);
-#endif
-  }
-  __device__ __forceinline__ float operator()(float a) const {
-    a = __fmul_rn(__fmul_rn(a, p1), p2);
-    const float q0 = __fmul_rn(a, r);
-    const float q1 = fmaf(fmaf(-q0, b, a), r, q0);
-    const float q2 = fmaf(fmaf(-q1, b, a), r, q1);
-    return fabsf(q0) < __uint_as_float(0x7f800000u) && r != 0.0f ? q2 : q0;
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Vector I/O: V consecutive elements in one access (16 bytes when V * sizeof(T) == 16). The

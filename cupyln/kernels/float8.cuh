@@ -2,7 +2,8 @@
 // saturating to the largest finite value (448, 57344; infinities too), NaN kept a NaN of its
 // sign (0x7f, 0x7e), as ml_dtypes casts after a clip. Integer operations only, so that CUDA,
 // HIP and a host compiler (tests/test_compile.py checks every float32 against ml_dtypes) give
-// the same bits; it needs __float_as_uint, __uint_as_float and __float2int_rn.
+// the same bits; it needs __float_as_uint, __uint_as_float and __float2int_rn (and for
+// ClDivisor __fmul_rn, fmaf, and __frcp_rn or, with CLN_HIP or CLN_HOST, float division).
 #pragma once
 
 // MBITS mantissa bits, exponent bias BIAS; MAXF/TINYF: the float32 bits of the largest finite
@@ -30,3 +31,33 @@ __device__ __forceinline__ unsigned char cl_float8(float v, bool e5m2) {
   return e5m2 ? cl_to_float8<2, 15, 0x47600000u, 0x38800000u, 0x7bu, 0x7eu>(v)
               : cl_to_float8<3, 7, 0x43e00000u, 0x3c800000u, 0x7eu, 0x7fu>(v);
 }
+
+// Quotients a / d of one divisor, correctly rounded (as IEEE division), without CUDA's division
+// and its call to a slow path (the call made the kernels keep registers on the stack). d is
+// scaled by a power of 2 into [1, 2), each dividend by the same, as two exact products (the power may
+// pass float's range; a dividend the scaling overflows or flushes has a quotient that a float8
+// saturates or flushes as well); the product by the scaled divisor's rounded reciprocal is then
+// corrected twice by its exact remainder (Markstein). A non-finite product stays (d infinite: 0).
+struct ClDivisor {
+  float b, r, p1, p2;
+  __device__ __forceinline__ explicit ClDivisor(float d) {
+    const bool sub = (__float_as_uint(d) & 0x7f800000u) == 0;  // subnormal (or 0): 2^64 first
+    const int e = (int)((__float_as_uint(sub ? d * 0x1p64f : d) >> 23) & 0xffu);
+    const int k = 127 - e + (sub ? 64 : 0), k1 = k / 2;  // d * 2^k in [1, 2)
+    p1 = __uint_as_float((unsigned)(k1 + 127) << 23);
+    p2 = __uint_as_float((unsigned)(k - k1 + 127) << 23);
+    b = d * p1 * p2;
+#if defined(CLN_HIP) || defined(CLN_HOST)
+    r = 1.0f / b;
+#else
+    r = __frcp_rn(b);
+#endif
+  }
+  __device__ __forceinline__ float operator()(float a) const {
+    a = __fmul_rn(__fmul_rn(a, p1), p2);
+    const float q0 = __fmul_rn(a, r);
+    const float q1 = fmaf(fmaf(-q0, b, a), r, q0);
+    const float q2 = fmaf(fmaf(-q1, b, a), r, q1);
+    return fabsf(q0) < __uint_as_float(0x7f800000u) && r != 0.0f ? q2 : q0;
+  }
+};
