@@ -230,18 +230,43 @@ _FLOAT8_HOST = r"""
 static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // default: to even
+static float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off
+#define CLN_HOST
 %s
-int main(int, char** argv) {
+// argv[3] "div": pairs (a, d) in, ClDivisor(d)(a) out; else floats in, both float8s out.
+int main(int argc, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   FILE* out = std::fopen(argv[2], "wb");
-  float v;
-  while (std::fread(&v, 4, 1, in) == 1) {
-    unsigned char q[2] = {cl_float8(v, false), cl_float8(v, true)};
-    std::fwrite(q, 1, 2, out);
+  float v[2];
+  if (argc > 3) {
+    while (std::fread(v, 4, 2, in) == 2) {
+      const float q = ClDivisor(v[1])(v[0]);
+      std::fwrite(&q, 4, 1, out);
+    }
+  } else {
+    while (std::fread(v, 4, 1, in) == 1) {
+      unsigned char q[2] = {cl_float8(v[0], false), cl_float8(v[0], true)};
+      std::fwrite(q, 1, 2, out);
+    }
   }
   return std::fclose(out) != 0;
 }
 """
+
+
+def _float8_host(tmp_path):
+    """The host build of kernels/float8.cuh's conversion and divisor (see _FLOAT8_HOST)."""
+    from cupyln._compile import _read
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        _missing("a host C++ compiler")
+    src = tmp_path / "f8.cpp"
+    src.write_text(_FLOAT8_HOST % _read("float8.cuh").replace("#pragma once", ""))
+    exe = tmp_path / "f8"
+    subprocess.run([cxx, "-O1", "-std=c++17", "-ffp-contract=off", str(src), "-o", str(exe)],
+                   check=True)
+    return exe
 
 
 def test_float8_conversion_matches_ml_dtypes_bit_for_bit(tmp_path):
@@ -252,15 +277,7 @@ def test_float8_conversion_matches_ml_dtypes_bit_for_bit(tmp_path):
     import ml_dtypes
     import numpy as np
 
-    from cupyln._compile import _read
-
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        _missing("a host C++ compiler")
-    src = tmp_path / "f8.cpp"
-    src.write_text(_FLOAT8_HOST % _read("float8.cuh").replace("#pragma once", ""))
-    exe = tmp_path / "f8"
-    subprocess.run([cxx, "-O1", "-std=c++17", str(src), "-o", str(exe)], check=True)
+    exe = _float8_host(tmp_path)
     high = np.arange(1 << 16, dtype=np.uint32) << 16
     low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234], np.uint32)
     bits = (high[:, None] | low[None, :]).ravel()
@@ -275,3 +292,38 @@ def test_float8_conversion_matches_ml_dtypes_bit_for_bit(tmp_path):
         assert np.array_equal(got[~nan, col], want[~nan].view(np.uint8)), dt
         assert np.isnan(got[nan, col].view(dt).astype(np.float32)).all()
         assert (got[nan, col] & 0x80 == (bits[nan] >> 24) & 0x80).all()  # NaN keeps its sign
+
+
+def test_float8_divisor_rounds_as_division(tmp_path):
+    """The quantized forward's quotients (kernels/float8.cuh's ClDivisor, built by the host's
+    C++ compiler): bit for bit the correctly rounded float32 quotient from 2^-17 to 2^17 (below,
+    every float8 flushes it to 0; above, saturates it), and the same float8s everywhere (a zero
+    of the quotient's sign; NaN for NaN, of either sign), for dividends and divisors of every exponent (subnormal, huge, infinite and NaN included)."""
+    import ml_dtypes
+    import numpy as np
+
+    exe = _float8_host(tmp_path)
+    rng = np.random.default_rng(0)
+    n = 1 << 21
+    bits = rng.integers(0, 1 << 32, size=(n, 2), dtype=np.uint64).astype(np.uint32)
+    pairs = bits.view(np.float32).copy()
+    near = rng.integers(0, 1 << 32, size=(n // 2, 2), dtype=np.uint64).astype(np.uint32)
+    # half the pairs as the kernels divide: y of 2^-30 to 2^20 by a scale of 2^-20 to 2^20
+    exps = (near % np.array([50, 40], np.uint32) + np.array([97, 107], np.uint32)) << 23
+    pairs[: n // 2] = (near & 0x807FFFFF | exps).astype(np.uint32).view(np.float32)
+    pairs[: n // 2, 1] = np.abs(pairs[: n // 2, 1])
+    pairs[:8] = [[1, 0], [0, np.inf], [1, np.inf], [np.inf, np.inf], [np.inf, 3], [np.nan, 2],
+                 [3, np.nan], [5e-45, 7e-45]]
+    pairs.tofile(tmp_path / "in.bin")
+    subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin"), "div"],
+                   check=True)
+    got = np.fromfile(tmp_path / "out.bin", np.float32)
+    with np.errstate(all="ignore"):
+        want = pairs[:, 0] / pairs[:, 1]
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    resolved = (np.abs(want) >= 2.0**-17) & (np.abs(want) <= 2.0**17)
+    assert resolved.sum() > n // 4 and same[resolved].all(), pairs[~same & resolved][:5]
+    for dt, fmax in ((ml_dtypes.float8_e4m3fn, 448.0), (ml_dtypes.float8_e5m2, 57344.0)):
+        a, b = (np.clip(q, -fmax, fmax).astype(dt).view(np.uint8) for q in (got, want))
+        differ = (a != b) & ~(np.isnan(got) & np.isnan(want))  # a NaN's sign is not kept
+        assert not differ.any(), pairs[differ][:5]

@@ -37,7 +37,8 @@ __device__ __forceinline__ unsigned char cl_float8(float v, bool e5m2) {
 // scaled by a power of 2 into [1, 2), each dividend by the same, as two exact products (the power may
 // pass float's range; a dividend the scaling overflows or flushes has a quotient that a float8
 // saturates or flushes as well); the product by the scaled divisor's rounded reciprocal is then
-// corrected twice by its exact remainder (Markstein). A non-finite product stays (d infinite: 0).
+// corrected twice by its exact remainder (Markstein), with the product's sign (a zero's too). A
+// non-finite product stays (d infinite: 0).
 struct ClDivisor {
   float b, r, p1, p2;
   __device__ __forceinline__ explicit ClDivisor(float d) {
@@ -58,6 +59,6 @@ struct ClDivisor {
     const float q0 = __fmul_rn(a, r);
     const float q1 = fmaf(fmaf(-q0, b, a), r, q0);
     const float q2 = fmaf(fmaf(-q1, b, a), r, q1);
-    return fabsf(q0) < __uint_as_float(0x7f800000u) && r != 0.0f ? q2 : q0;
+    return fabsf(q0) < __uint_as_float(0x7f800000u) && r != 0.0f ? copysignf(q2, q0) : q0;
   }
 };
