@@ -450,7 +450,7 @@ def _op(name, impl, fake):
     """The torch op ``cupyln::name`` running ``impl`` (its schema from impl's annotations),
     ``fake`` under tracing. Defined through ``torch.library.Library`` rather than
     ``custom_op``: the dispatcher then calls ``impl`` itself, where custom_op's wrapper checks
-    the outputs' aliasing on every call, at a host cost larger than the rest of the call's."""
+    the outputs' aliasing on every call (host time that compiled models pay per norm)."""
     _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     op = getattr(torch.ops.cupyln, name).default
