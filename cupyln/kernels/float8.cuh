@@ -34,11 +34,11 @@ __device__ __forceinline__ unsigned char cl_float8(float v, bool e5m2) {
 
 // Quotients a / d of one divisor, correctly rounded (as IEEE division), without CUDA's division
 // and its call to a slow path (the call made the kernels keep registers on the stack). d is
-// scaled by a power of 2 into [1, 2), each dividend by the same, as two exact products (the power may
-// pass float's range; a dividend the scaling overflows or flushes has a quotient that a float8
-// saturates or flushes as well); the product by the scaled divisor's rounded reciprocal is then
-// corrected twice by its exact remainder (Markstein), with the product's sign (a zero's too). A
-// non-finite product stays (d infinite: 0).
+// scaled by a power of 2 into [1, 2), each dividend by the same, as two exact products (the
+// power may pass float's range; a dividend the scaling overflows or flushes has a quotient
+// that a float8 saturates or flushes as well); the product by the scaled divisor's rounded
+// reciprocal is then corrected twice by its exact remainder (Markstein), with the product's
+// sign (a zero's too). A non-finite product stays (d infinite: 0).
 struct ClDivisor {
   float b, r, p1, p2;
   __device__ __forceinline__ explicit ClDivisor(float d) {
