@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, fuzz, big tensors, compute-sanitizer, benchmark.
-# Logs go to $OUT/logs.tgz (the device tool returns at most 8 files), results beside it; a short
+# Logs go to $OUT/logs.tgz (one archive to carry back), results beside it; a short
 # table is printed last. Usage (on the device machine):
 #   bash benchmarks/gpu_check.sh [stages...]   stages: tests fuzz big sanitize bench train (default
 #   all but train, the PyTorch training example with its loss curves;
@@ -127,7 +127,7 @@ grep -h -E "^(FAILED|ERROR)|Error:|Invalid|Race" "$OUT"/*.log 2>/dev/null | head
 [ -f "$OUT/stalls.log" ] && { echo; echo "==== stalls (ncu, small shapes) ===="; cat "$OUT/stalls.log"; }
 echo; echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
-# At most 8 files come back from the device tool: every log goes into one archive.
+# Every log goes into one archive, so that a run leaves few files to copy back.
 # (Only the kinds present: a missing pattern made tar, and so the script, exit with status 2.)
 (cd "$OUT" && shopt -s nullglob && logs=(./*.log ./*.txt ./*.csv) \
   && { [ ${#logs[@]} -eq 0 ] || tar czf logs.tgz --remove-files "${logs[@]}"; })
