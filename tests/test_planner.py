@@ -691,41 +691,29 @@ def test_backward_rows_held_in_a_clusters_shared_memory(dt, M, N, warp, ln, most
 @example("bfloat16", 512, 1 << 18, 32, True, "sm_90")  # the resident tiles hold it: not here
 @example("float64", 1, 1 << 20, 32, True, "sm_90")  # float64 sums: not here
 def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target):
-    """Backward rows of more than ``grid_vecs`` 16-byte vectors (CUDA, float32 sums) run on
-    column tiles of ``grid_tpr`` threads x ``grid_npt`` vectors covering the row, in as many
-    rows of tiles (at most M) as the device runs at once, where each takes at most
-    ``grid_rows`` rows: ``grid_buffers`` rows of x and dy and gamma in shared memory, rows
-    ``grid_step_rows`` at a time where each row of tiles takes ``grid_step_min_rows`` or more,
-    else one at a time; one row of tiles writes dgamma/dbeta itself, more leave partials. Every
-    other plan is the one without them, and compiles no grid kernel (on the mock, whose
-    registers leave shared memory the bound, the planner knows that before compiling)."""
+    """Backward rows on a cooperative grid, as norm_bwd_grid needs them: CUDA, float32 sums,
+    16-byte vectors; column tiles of ``grid_tpr`` threads x ``grid_npt`` vectors covering the
+    row, as many rows of tiles as run at once (at most M), ``grid_buffers`` rows of x and dy
+    and gamma in shared memory, a step of one row or ``grid_step_rows``; dgamma/dbeta written
+    by the grid itself only where it is one row of tiles, else partials summed after. Which
+    rows run there is the golden table's business."""
     hip = target == "hip"
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90",
                                     hip=hip, is_ln=ln)
-    other, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters=target == "sm_90", hip=hip,
-                                 is_ln=ln, config=Config(tuning=dict(bwd_grid_vecs=0)))
-    dtype = _dtype(dt)
-    vec = _layout.vec_width(dtype, N, (N,), [])
-    nvec, span = N // vec, BWD.grid_tpr * BWD.grid_npt
-    columns = -(-nvec // span)
-    smem = (BWD.grid_buffers * 32 + vec * dtype.itemsize) * span
-    groups = min(M, 132 * _fake_resident_blocks(None, BWD.grid_tpr, smem) // columns)
-    expect = (not hip and vec * dtype.itemsize == 16 and dt != "float64"
-              and nvec > BWD.grid_vecs and groups >= 1 and -(-M // groups) <= BWD.grid_rows)
-    assert (plan.variant == "bwd_grid") == expect
     assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip,
                                                          clusters=target == "sm_90")
-    if not expect:
-        assert (plan.variant, plan.grid, plan.block, plan.smem) == (
-            other.variant, other.grid, other.block, other.smem)
-        assert not any(name.startswith("norm_bwd_grid") for name in built.values())
+    if plan.variant != "bwd_grid":
         return
-    step = BWD.grid_step_rows if -(-M // groups) >= BWD.grid_step_min_rows else 1
-    assert plan.spec.grid == (BWD.grid_buffers, BWD.grid_lag, step)
-    assert plan.spec.npt == BWD.grid_npt
-    assert plan.grid == (groups, columns) and plan.block == (BWD.grid_tpr, 1)
-    assert columns * span >= nvec > (columns - 1) * span
-    assert plan.smem == smem
+    dtype, s = _dtype(dt), plan.spec
+    assert not hip and s.vec * dtype.itemsize == 16 and dt != "float64"
+    span = BWD.grid_tpr * BWD.grid_npt
+    groups, columns = plan.grid
+    assert s.grid[:2] == (BWD.grid_buffers, BWD.grid_lag) and s.grid[2] in (1, BWD.grid_step_rows)
+    assert s.npt == BWD.grid_npt and plan.block == (BWD.grid_tpr, 1) and 1 <= groups <= M
+    assert columns * span >= N // s.vec > (columns - 1) * span
+    assert plan.smem == (BWD.grid_buffers * 32 + s.vec * dtype.itemsize) * span
+    resident = _fake_resident_blocks(None, BWD.grid_tpr, plan.smem)
+    assert groups * columns <= 132 * resident  # every block resident: a cooperative launch
     assert plan.direct == (groups == 1) and ("reduce" in plan.launch) == (groups > 1)
 
 
@@ -741,26 +729,20 @@ def test_backward_rows_split_over_a_cooperative_grid(dt, M, N, warp, ln, target)
 @example("float16", 2, 65535, 32, True, False)  # single elements: 8 tiles, whatever M
 def test_backward_long_rows_in_the_fewest_cluster_tiles_that_hold_them(dt, M, N, warp,
                                                                        clusters, residual):
-    """Where clusters exist, a backward row longer than one block runs in a cluster of column
-    tiles of ``cluster_npt`` vectors per thread: ``cluster_tiles`` (8) where they hold the row,
-    else ``cluster_tiles_long`` (16, past the portable size: 16-byte vectors only), also for
-    at most ``cluster_split_rows`` rows that 8 hold, plain or fused; no other row does (longer
-    ones: row sums, then tiles)."""
+    """Backward rows in a cluster of column tiles, as the cluster kernels need them, plain or
+    fused: only where clusters exist, 8 tiles (16 past the portable size: 16-byte vectors
+    only), whole warps of ``cluster_npt`` vectors per thread covering the row, no row sums
+    before them. Which rows run there is the golden table's business."""
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters, residual=residual)
     s = plan.spec
-    wide, most = s.vec * s.dtype.itemsize == 16, _plan.bwd_threads(BWD.cluster_npt)
-    longer = not _plan.bwd_geometry(BWD, N // s.vec, warp).fits
-    fits = [t for t in (BWD.cluster_tiles, BWD.cluster_tiles_long)
-            if -(-(N // s.vec) // (t * BWD.cluster_npt)) <= most]
-    built_for = fits and (wide or s.vec == 1 and fits[0] == BWD.cluster_tiles)
-    cluster = plan.variant.startswith("bwd_cluster")
-    assert cluster == bool(clusters and longer and built_for), (plan.variant, s)
-    if cluster:
-        want = fits[-1] if wide and M <= BWD.cluster_split_rows else fits[0]
-        assert plan.grid[1] == s.tiles == want and "rowsums" not in plan.launch
-        assert plan.block[0] % warp == 0 and plan.block[0] <= most
-        assert plan.block[0] * s.tiles * s.npt * s.vec >= N
     assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
+    if not plan.variant.startswith("bwd_cluster"):
+        return
+    wide = s.vec * s.dtype.itemsize == 16
+    assert clusters and s.tiles in (BWD.cluster_tiles, *((BWD.cluster_tiles_long,) * wide))
+    assert plan.grid[1] == s.tiles and "rowsums" not in plan.launch
+    assert plan.block[0] % warp == 0 and plan.block[0] <= _plan.bwd_threads(BWD.cluster_npt)
+    assert plan.block[0] * s.tiles * s.npt * s.vec >= N
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32"]), st.integers(12, 1 << 10),
