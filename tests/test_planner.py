@@ -486,37 +486,27 @@ def test_backward_rows_peeled_where_one_block_holds_them(dt, M, N, warp, hip):
 @example("float16", 66, 50257, 32, False)
 @example("float64", 1 << 16, 16385, 32, False)
 def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
-    """Peelable rows longer than one block of the backward take column tiles of their 16-byte
-    vectors after peeled row sums (any device) wherever each row of tiles takes
-    ``peel_tile_rows`` rows or more, or one row of tiles takes them all: tiles of ``tile_tpr``
+    """Peeled long rows on column tiles after their peeled row sums, as those kernels need
+    them (any device), for rows longer than one block of the backward: tiles of ``tile_tpr``
     threads x ``tile_npt`` vectors covering the middle, at least 2 * VEC threads in tile 0 (the
     head and tail), a grid of rows covering M or a multiple of the heads' period, partials
-    summed by the reduction where that grid has more than one row of blocks; the row sums one
-    row per block, or, for at most ``sms * parts_rows`` rows of at least ``parts_chunks``
-    chunks, in parts over the grid (then added)."""
+    summed by the reduction exactly where that grid has more than one row of blocks; the row
+    sums one row per block, or in parts over the grid (then added, whole warps covering the
+    row). Which rows take the tiles is the golden table's business."""
     wide = 16 // _dtype(dt).itemsize
     plan, built = _plan_without_gpu("bwd", dt, M, N, warp, hip=hip, peel=True)
-    long = N % wide and N // wide > BWD.npt * BWD.tpr_max
-    tiled = plan.variant == "bwd_peeled_tiles"
-    if long and not tiled:  # only where the tiles' rows of blocks would take too few rows
-        period = wide // np.gcd(N, wide)
-        tiles = -(-(N // wide) // (BWD.tile_tpr * BWD.tile_npt))
-        most = 132 * _fake_resident_blocks(None, BWD.tile_tpr, 0) // tiles
-        grid = M if most >= M else min(M, max(period, most // period * period))
-        assert 1 < grid and M < BWD.peel_tile_rows * grid, (M, grid)
-    assert tiled <= bool(long), plan.variant
-    if not tiled:
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
+    if plan.variant != "bwd_peeled_tiles":
         return
+    assert N % wide and N // wide > BWD.npt * BWD.tpr_max
     s, nvec = plan.spec, N // wide
     (grid, tiles), (tpr, rows) = plan.grid, plan.block
-    assert grid == 1 or M >= BWD.peel_tile_rows * grid
     assert s.peeled and s.vec == wide and s.npt == BWD.tile_npt and rows == 1
     assert tpr == BWD.tile_tpr >= 2 * wide and (tiles - 1) * tpr * s.npt < nvec <= tiles * tpr * s.npt
     assert grid == M or (grid < M and grid % (wide // np.gcd(N, wide)) == 0)
     assert ("reduce" in plan.launch) == (grid > 1) == (not plan.direct)
     sums = plan.launch["rowsums"]
-    parts = M <= 132 * BWD.parts_rows and N >= BWD.parts_chunks * BWD.rowsums_tpr * s.npt * wide
-    assert ("rowsums_merge" in plan.launch) == parts
+    parts = "rowsums_merge" in plan.launch
     assert "cln::peeled" in sums.kern.name and ("cln::in_parts" in sums.kern.name) == parts
     if parts:
         (rows, nparts), (tpr, one) = sums.grid, sums.block
@@ -525,7 +515,6 @@ def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
                               BWD.parts_per_sm)
     else:
         assert sums.block == (BWD.rowsums_tpr, 1) and sums.grid[0] <= M
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip)
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
