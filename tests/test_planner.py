@@ -485,6 +485,8 @@ def test_backward_rows_peeled_where_one_block_holds_them(dt, M, N, warp, hip):
 @example("float32", 67, 20001, 64, True)
 @example("float16", 66, 50257, 32, False)
 @example("float64", 1 << 16, 16385, 32, False)
+@example("bfloat16", 1, 300001, 32, False)  # one row of tiles; row sums in parts
+@example("bfloat16", 32, 300001, 32, False)  # rows of tiles and partials; row sums in parts
 def test_backward_long_rows_peeled_on_column_tiles(dt, M, N, warp, hip):
     """Peeled long rows on column tiles after their peeled row sums, as those kernels need
     them (any device), for rows longer than one block of the backward: tiles of ``tile_tpr``
