@@ -19,6 +19,9 @@ from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes
 
 FWD, BWD = _tuning.settings(DEFAULT, "sm_90").fwd, _tuning.settings(DEFAULT, "sm_90").bwd
 NO_PARTS = Config(tuning=dict(fwd_parts_rows=0, bwd_parts_rows=0))
+# the long backward rows' row sums and tiles, in place of the grid and the resident tiles
+ROW_SUMS_ROWS = dict(bwd_grid_vecs=0, bwd_resident_npt=0)
+ROW_SUMS = Config(tuning=ROW_SUMS_ROWS)
 NO_RESIDENT = Config(tuning=dict(fwd_resident_npt=0))
 
 WARPS = st.sampled_from([32, 64])
@@ -621,26 +624,26 @@ def test_forward_parts_cover_the_row_whatever_vectors_per_thread(npt, M, N, targ
 @example("float32", 3, 70001, 64, "hip")
 @example("float16", 8, 3583, 32, "sm_90")  # two chunks: one block per row
 def test_long_backward_row_sums_in_parts_for_few_rows(dt, M, N, warp, target):
-    """Rows too long for the backward's registers, at most ``parts_rows`` per SM, of at least
-    ``parts_chunks`` chunks of one block, at 16-byte vectors, get their row sums in parts over
-    the grid (blocks of whole warps of at most ``rowsums_tpr`` threads, the parts covering the
-    row, each row within its share of ``parts_per_sm`` blocks per SM), added by one warp per
-    row; on any device."""
+    """Row sums in parts over the grid, as their kernels need them (any device): 16-byte
+    vectors, the parts' kernel exactly where a merge adds them, blocks of whole warps of at
+    most ``rowsums_tpr`` threads, the parts covering the row, each row within its share of
+    ``parts_per_sm`` blocks per SM, one warp per row adding them. Which rows is the golden
+    table's business."""
     hip = target == "hip"
-    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip)
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, target == "sm_90", hip=hip,
+                                    config=ROW_SUMS)
+    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
     if "rowsums" not in plan.launch:
         return
     rs, s = plan.launch["rowsums"], plan.spec
-    long = N >= BWD.parts_chunks * BWD.rowsums_tpr * s.npt * s.vec
-    expect = long and M <= 132 * BWD.parts_rows and s.vec * s.dtype.itemsize == 16
-    assert ("rowsums_merge" in plan.launch) == expect == (rs.kern.name == built.get(
-        "rowsums_parts"))
-    assert set(built.values()) <= _plan.all_kernel_names(warp, hip=hip, clusters=target == "sm_90")
-    if not expect:
+    parts = "rowsums_merge" in plan.launch
+    assert parts == (rs.kern.name == built.get("rowsums_parts"))
+    if not parts:
         return
-    (rows, parts), (tpr, one) = rs.grid, rs.block
+    assert s.vec * s.dtype.itemsize == 16
+    (rows, nparts), (tpr, one) = rs.grid, rs.block
     assert rows == M and one == 1
-    _check_parts_geometry(parts, tpr, s.npt, s.vec, M, N, warp, BWD.rowsums_tpr,
+    _check_parts_geometry(nparts, tpr, s.npt, s.vec, M, N, warp, BWD.rowsums_tpr,
                           BWD.parts_per_sm)
     merge = plan.launch["rowsums_merge"]
     assert merge.block[0] == warp and merge.grid[0] * merge.block[1] >= M
@@ -759,19 +762,23 @@ def test_rows_for_16_blocks_where_the_driver_places_only_8(dt, M, N, warp):
 @example("bfloat16", 1, 1 << 20, 32, True)
 @example("bfloat16", 64, 1 << 20, 32, True)
 def test_long_backward_row_sums_over_a_cluster_for_few_rows(dt, M, N, warp, clusters):
-    """Rows too long for the backward's cluster of tiles get their row sums first (where not in
-    parts): over a cluster of ``cluster_tiles`` blocks per row where clusters exist, the module
-    builds that kernel (16-byte vectors, single elements) and the rows are too few to give
-    every SM a block (M * cluster_tiles <= SMs), else one block per row."""
-    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters, config=NO_PARTS)
+    """Row sums (where not in parts) as their kernels need them: over a cluster of
+    ``cluster_tiles`` blocks per row only where clusters exist and the module builds that kernel
+    (16-byte vectors, single elements), a grid of (M, tiles); else a grid of at most M blocks;
+    blocks of ``rowsums_tpr`` threads of one row. Which rows split is the golden table's
+    business."""
+    plan, built = _plan_without_gpu("bwd", dt, M, N, warp, clusters,
+                                    config=Config(tuning=dict(bwd_parts_rows=0, **ROW_SUMS_ROWS)))
+    assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
     if "rowsums" not in plan.launch:
         return
     rs, s = plan.launch["rowsums"], plan.spec
-    over = clusters and (s.vec * s.dtype.itemsize == 16 or s.vec == 1) and M * 8 <= 132
-    assert (rs.kern.name == built.get("rowsums_cluster")) == over
     assert rs.block == (BWD.rowsums_tpr, 1)
-    assert rs.grid == ((M, BWD.cluster_tiles) if over else (min(M, 132 * 2 * 4),))
-    assert set(built.values()) <= _plan.all_kernel_names(warp, clusters=clusters)
+    if rs.kern.name == built.get("rowsums_cluster"):
+        assert clusters and (s.vec * s.dtype.itemsize == 16 or s.vec == 1)
+        assert rs.grid == (M, BWD.cluster_tiles)
+    else:
+        assert len(rs.grid) == 1 and rs.grid[0] <= M
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 16),
