@@ -826,15 +826,12 @@ def test_backward_rows_come_from_tickets_exactly_where_staged_blocks_span_warps(
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 14),
        st.integers(1, 1 << 14), WARPS, st.booleans())
 def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters):
-    """Where clusters exist and the driver can place one, a backward whose rows fit in
-    ``csum_blocks`` blocks of the backward's thread limit runs there: one cluster, every row in one
-    pass, whole warps, its shared memory on the SM; elsewhere it never does."""
+    """A backward whose dgamma/dbeta one cluster sums in shared memory, as its kernel needs it:
+    clusters, one cluster of ``csum_blocks`` blocks holding every row in one pass (no block
+    loops over rows), whole warps, its shared memory on the SM. Which rows run there is the
+    golden table's business."""
     plan, _ = _plan_without_gpu("bwd", dt, M, N, warp, clusters)
     if plan.variant != "bwd_csum":
-        g = _plan.row_geometry(N // plan.spec.vec, warp, BWD.npt_min, BWD.npt, BWD.tpr_max,
-                               BWD.block)
-        rows = _plan.bwd_threads(g.npt) // g.tpr  # at most, in one block
-        assert not (clusters and g.fits and M <= BWD.csum_blocks * rows)
         return
     assert clusters
     tpr, rpb = plan.block
