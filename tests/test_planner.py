@@ -825,6 +825,7 @@ def test_backward_rows_come_from_tickets_exactly_where_staged_blocks_span_warps(
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 14),
        st.integers(1, 1 << 14), WARPS, st.booleans())
+@example("float16", 32, 512, 32, True)  # one cluster of all rows
 def test_backward_cluster_plan_holds_every_row_at_once(dt, M, N, warp, clusters):
     """A backward whose dgamma/dbeta one cluster sums in shared memory, as its kernel needs it:
     clusters, one cluster of ``csum_blocks`` blocks holding every row in one pass (no block
