@@ -1126,6 +1126,16 @@ def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, 
     assert plan.grid[0] * rpb >= M or plan.grid[0] == 132 * FWD.grid_per_sm
 
 
+def test_float8_threads_are_the_kernels_launch_bound():
+    """The planner's thread limit for float8 rows of vectors is the one norm_fwd_q is compiled
+    for (1024 for single elements): a wider block would fail to launch."""
+    from cupyln._compile import _read
+
+    bound = f"__launch_bounds__(VEC == 1 ? 1024 : {_plan.QUANT_THREADS}) norm_fwd_q("
+    assert bound in _read("norm_fwd.cu")
+    assert FWD.tpr_max == 1024
+
+
 def test_the_planner_imports_neither_cupy_nor_the_compiler():
     """The planner is a function of the problem, the device's facts and a config: it imports
     with CuPy unimportable, and loads no compiler and no driver layer (cupyln._facts gathers
