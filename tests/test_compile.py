@@ -233,14 +233,16 @@ static int __float2int_rn(float f) { return (int)std::nearbyint(f); }  // defaul
 static float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off
 #define CLN_HOST
 %s
-// argv[3] "div": pairs (a, d) in, ClDivisor(d)(a) out; else floats in, both float8s out.
+// argv[3] "div": pairs (a, d) in, ClDivisor(d)(a) out; "rcp": ClReciprocal's a / d; else
+// floats in, both float8s out.
 int main(int argc, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   FILE* out = std::fopen(argv[2], "wb");
   float v[2];
   if (argc > 3) {
+    const bool rcp = argv[3][0] == 'r';
     while (std::fread(v, 4, 2, in) == 2) {
-      const float q = ClDivisor(v[1])(v[0]);
+      const float q = rcp ? ClReciprocal(ClDivisor(v[1]))(v[0]) : ClDivisor(v[1])(v[0]);
       std::fwrite(&q, 4, 1, out);
     }
   } else {
@@ -294,12 +296,11 @@ def test_float8_conversion_matches_ml_dtypes_bit_for_bit(tmp_path):
         assert (got[nan, col] & 0x80 == (bits[nan] >> 24) & 0x80).all()  # NaN keeps its sign
 
 
-def test_float8_divisor_rounds_as_division(tmp_path):
-    """The quantized forward's quotients (kernels/float8.cuh's ClDivisor, built by the host's
-    C++ compiler): bit for bit the correctly rounded float32 quotient from 2^-17 to 2^17 (below,
-    every float8 flushes it to 0; above, saturates it), and the same float8s everywhere (a zero
-    of the quotient's sign; NaN for NaN, of either sign), for dividends and divisors of every exponent (subnormal, huge, infinite and NaN included)."""
-    import ml_dtypes
+def _quotients(tmp_path, mode):
+    """(pairs (a, d), a / d in float32 from the host build's ``mode``, the correctly rounded
+    a / d): dividends and divisors of every exponent (subnormal, huge, infinite and NaN
+    included), half of them as the kernels divide: y of 2^-30 to 2^20 by a scale of 2^-20 to
+    2^20."""
     import numpy as np
 
     exe = _float8_host(tmp_path)
@@ -308,22 +309,67 @@ def test_float8_divisor_rounds_as_division(tmp_path):
     bits = rng.integers(0, 1 << 32, size=(n, 2), dtype=np.uint64).astype(np.uint32)
     pairs = bits.view(np.float32).copy()
     near = rng.integers(0, 1 << 32, size=(n // 2, 2), dtype=np.uint64).astype(np.uint32)
-    # half the pairs as the kernels divide: y of 2^-30 to 2^20 by a scale of 2^-20 to 2^20
     exps = (near % np.array([50, 40], np.uint32) + np.array([97, 107], np.uint32)) << 23
     pairs[: n // 2] = (near & 0x807FFFFF | exps).astype(np.uint32).view(np.float32)
     pairs[: n // 2, 1] = np.abs(pairs[: n // 2, 1])
     pairs[:8] = [[1, 0], [0, np.inf], [1, np.inf], [np.inf, np.inf], [np.inf, 3], [np.nan, 2],
                  [3, np.nan], [5e-45, 7e-45]]
     pairs.tofile(tmp_path / "in.bin")
-    subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin"), "div"],
+    subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin"), mode],
                    check=True)
     got = np.fromfile(tmp_path / "out.bin", np.float32)
     with np.errstate(all="ignore"):
         want = pairs[:, 0] / pairs[:, 1]
+    return pairs, got, want
+
+
+F8_MAX = (("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0))
+
+
+def test_float8_divisor_rounds_as_division(tmp_path):
+    """The correctly rounded quotients of kernels/float8.cuh (ClDivisor, built by the host's
+    C++ compiler; the quantized forward's per-row scales): bit for bit the float32 quotient
+    from 2^-17 to 2^17 (below, every float8 flushes it to 0; above, saturates it), and the same
+    float8s everywhere (a zero of the quotient's sign; NaN for NaN, of either sign)."""
+    import ml_dtypes
+    import numpy as np
+
+    pairs, got, want = _quotients(tmp_path, "div")
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
     resolved = (np.abs(want) >= 2.0**-17) & (np.abs(want) <= 2.0**17)
-    assert resolved.sum() > n // 4 and same[resolved].all(), pairs[~same & resolved][:5]
-    for dt, fmax in ((ml_dtypes.float8_e4m3fn, 448.0), (ml_dtypes.float8_e5m2, 57344.0)):
+    assert resolved.sum() > len(pairs) // 4 and same[resolved].all(), pairs[~same & resolved][:5]
+    for name, fmax in F8_MAX:
+        dt = getattr(ml_dtypes, name)
         a, b = (np.clip(q, -fmax, fmax).astype(dt).view(np.uint8) for q in (got, want))
         differ = (a != b) & ~(np.isnan(got) & np.isnan(want))  # a NaN's sign is not kept
         assert not differ.any(), pairs[differ][:5]
+
+
+def test_float8_reciprocal_quotients_are_within_one_code(tmp_path):
+    """The quantized forward's y / scale (ClReciprocal: y times the scale's reciprocal): within
+    1.5 float32 ulps of the correctly rounded quotient where the dividend and the quotient are
+    normal floats, and everywhere each float8 code the quotient's or its neighbour (the
+    quotient's on all but a few in a million); NaN for NaN."""
+    import ml_dtypes
+    import numpy as np
+
+    pairs, got, want = _quotients(tmp_path, "rcp")
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    tiny = np.finfo(np.float32).tiny
+    normal = (np.abs(want) >= tiny) & np.isfinite(want) & (np.abs(pairs[:, 0]) >= tiny)
+    err = np.abs(got[normal].astype(np.float64) - want[normal]) / np.spacing(np.abs(want[normal]))
+    assert normal.sum() > len(pairs) // 4 and (err <= 1.5).all()
+    for name, fmax in F8_MAX:
+        dt = getattr(ml_dtypes, name)
+        a, b = (_f8_codes(np.clip(q[~nan], -fmax, fmax).astype(dt).view(np.uint8))
+                for q in (got, want))
+        assert (np.abs(a - b) <= 1).all() and (a != b).mean() < 1e-5, (a != b).mean()
+
+
+def _f8_codes(q):
+    """Float8 bits as signed integers ordered as the values (+-0 both 0)."""
+    import numpy as np
+
+    q = q.astype(np.int32)
+    return np.where(q & 0x80, -(q & 0x7F), q)

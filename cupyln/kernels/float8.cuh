@@ -32,6 +32,22 @@ __device__ __forceinline__ unsigned char cl_float8(float v, bool e5m2) {
               : cl_to_float8<3, 7, 0x43e00000u, 0x3c800000u, 0x7eu, 0x7fu>(v);
 }
 
+// Two float8 codes, a's in the low byte and b's in the high one: from the hardware's conversion
+// where there is one (sm_89 on: one instruction for two, where cl_float8 takes about a dozen),
+// which rounds and saturates as cl_float8 does; its NaN's bits are not ml_dtypes' (the sign, and
+// e5m2's 0x7e), so a pair holding a NaN takes cl_float8.
+template <bool E5M2> __device__ __forceinline__ unsigned cl_float8x2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(CLN_HIP)
+  if (a == a && b == b) {
+    unsigned short r;  // cvt's first source goes to the high byte
+    if constexpr (E5M2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
+    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
+    return r;
+  }
+#endif
+  return cl_float8(a, E5M2) | (unsigned)cl_float8(b, E5M2) << 8;
+}
+
 // Quotients a / d of one divisor, correctly rounded (as IEEE division), without CUDA's division
 // and its call to a slow path (the call made the kernels keep registers on the stack). d is
 // scaled by a power of 2 into [1, 2), each dividend by the same, as two exact products (the
@@ -61,4 +77,17 @@ struct ClDivisor {
     const float q2 = fmaf(fmaf(-q1, b, a), r, q1);
     return fabsf(q0) < __uint_as_float(0x7f800000u) && r != 0.0f ? copysignf(q2, q0) : q0;
   }
+};
+
+
+// a / d as a times d's reciprocal, for float8 codes: two multiplies (by ClDivisor's rounded
+// reciprocal of the scaled divisor, times one power of 2, then by the other power of 2; each
+// product lies between a and the quotient, so neither overflows or flushes where the quotient
+// does not). The result is within about one float32 rounding of the correctly rounded
+// quotient, so a code differs from the quotient's only where a tie between two codes lies
+// between them. A NaN divisor gives NaN.
+struct ClReciprocal {
+  float rp1, p2;
+  __device__ __forceinline__ explicit ClReciprocal(const ClDivisor& d) : rp1(d.r * d.p1), p2(d.p2) {}
+  __device__ __forceinline__ float operator()(float a) const { return __fmul_rn(a, rp1) * p2; }
 };

@@ -146,9 +146,25 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
       [&](int, int col, const C (&o)[VEC]) { store_vec<VEC>(yr + col, o); });
 }
 
+// A vector of y / scale in float8 (divide: a float -> float quotient), two elements a
+// conversion.
+template <bool E5M2, int VEC, typename C, typename D>
+__device__ __forceinline__ Pack<unsigned char, VEC> float8_pack(const C (&o)[VEC], D divide) {
+  Pack<unsigned char, VEC> q;
+#pragma unroll
+  for (int j = 0; j < VEC; j += 2) {
+    const bool two = j + 1 < VEC;
+    const unsigned b = cl_float8x2<E5M2>(divide((float)o[j]),
+                                         two ? divide((float)o[two ? j + 1 : j]) : 0.0f);
+    q.v[j] = (unsigned char)b;
+    if (two) q.v[j + 1] = (unsigned char)(b >> 8);
+  }
+  return q;
+}
+
 // The quantized forward's output of a row of one chunk (QUANT in fwd_rows): the chunk's y in
 // float32 (as the reference rounds it), the row's amax (ClMax over its threads; every thread
-// of the block calls, `valid` or not), then y / scale in float8 (cl_float8). qflags bit 0:
+// of the block calls, `valid` or not), then y / scale in float8 (float8_pack). qflags bit 0:
 // float8_e5m2 (else e4m3fn); bit 1: one static scale *yscale (NaN out where it is not finite or
 // not above 0), else each row's amax / fmax (1 where 0), stored to qscale[row]. Returns the
 // row's amax (0 for an invalid row).
@@ -183,20 +199,17 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
   }
   // y computed again rather than held from the first pass: a chunk of float32s held across
   // the reduction spilled registers. The format is chosen once, not per element.
-  auto store = [&](auto to_float8, auto divide) {
+  auto store = [&](auto e5m2_, auto divide) {
     chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
                                          [&](int, int col, const C (&o)[VEC]) {
-                                           Pack<unsigned char, VEC> q;
-#pragma unroll
-                                           for (int j = 0; j < VEC; ++j)
-                                             q.v[j] = to_float8(divide((float)o[j]));
                                            *reinterpret_cast<Pack<unsigned char, VEC>*>(
-                                               yq + row * N + col) = q;
+                                               yq + row * N + col) =
+                                               float8_pack<decltype(e5m2_)::value>(o, divide);
                                          });
   };
-  const ClDivisor divide(scale);
-  if (e5m2) store([](float v) { return cl_float8(v, true); }, divide);
-  else store([](float v) { return cl_float8(v, false); }, divide);
+  const ClReciprocal divide{ClDivisor(scale)};
+  if (e5m2) store(BoolC<true>(), divide);
+  else store(BoolC<false>(), divide);
   return m[0];
 }
 
