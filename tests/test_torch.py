@@ -110,45 +110,58 @@ def test_torch_compile_fullgraph_without_graph_breaks():
     assert torch.allclose(out, want)
 
 
+def _reduce_overhead_steps(model, fused, xs):
+    """Loss and parameter gradients of each step of ``model`` (Linear, norm, norm of y + h)
+    under torch.compile(mode="reduce-overhead"), in the training loop cudagraph trees expect
+    (a compiled call after the backward starts a new step); copies, as replays overwrite."""
+    def forward(x):
+        h = model[0](x)
+        y = model[1](h)
+        y = model[2](y, h)[0] if fused else model[2](y + h)
+        return y.square().mean()
+
+    compiled = torch.compile(forward, mode="reduce-overhead")
+    out = []
+    for x in xs:
+        model.zero_grad(set_to_none=True)
+        loss = compiled(x)
+        loss.backward()
+        out.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.xfail(strict=True, reason="open: fails on the GPU, cause not yet found")
 @pytest.mark.parametrize("fused", [False, True])
 def test_reduce_overhead_captures_the_norms_in_its_cuda_graphs(fused):
     """torch.compile(mode="reduce-overhead") runs cupyln's ops inside its CUDA graphs, forward
-    and backward: inductor skips no graph for them, and replayed steps give eager's loss and
-    gradients."""
+    and backward: inductor skips no graph for them, and replayed steps give the loss and
+    gradients of torch's norms in the same loop. (Where torch's own norms fail the loop, the
+    loop is torch's problem: skipped with its message.)"""
     from torch._dynamo.utils import counters
 
     def make(norm, last):
         torch.manual_seed(0)
         return torch.nn.ModuleList([torch.nn.Linear(256, 256), norm(256), last(256)]).cuda()
 
-    def forward(model, x, fused):
-        h = model[0](x)
-        y = model[1](h)
-        y = model[2](y, h)[0] if fused else model[2](y + h)
-        return y.square().mean()
-
-    ours = make(ct.LayerNorm, ct.FusedAddRMSNorm if fused else ct.RMSNorm)
+    xs = [torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+          for s in range(4)]
     ref = make(torch.nn.LayerNorm, torch.nn.RMSNorm)
-    ref.load_state_dict(ours.state_dict())
+    ours = make(ct.LayerNorm, ct.FusedAddRMSNorm if fused else ct.RMSNorm)
+    ours.load_state_dict(ref.state_dict())
+    torch._dynamo.reset()
+    try:
+        want = _reduce_overhead_steps(ref, False, xs)
+    except RuntimeError as e:
+        pytest.skip(f"torch's own norms fail this loop: {str(e).splitlines()[0][:200]}")
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(lambda x: forward(ours, x, fused), mode="reduce-overhead")
-    for seed in range(4):
-        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
-        for m in (ours, ref):
-            m.zero_grad(set_to_none=False)
-        torch.compiler.cudagraph_mark_step_begin()
-        loss = compiled(x)
-        loss.backward()
-        want = forward(ref, x, False)
-        want.backward()
-        assert loss.item() == pytest.approx(want.item(), rel=1e-4)
-        for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
-            assert torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-5)
+    got = _reduce_overhead_steps(ours, fused, xs)
     assert counters["inductor"]["cudagraph_skips"] == 0
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-4)
+        for a, b in zip(grads, want_grads, strict=True):
+            assert torch.allclose(a, b, rtol=1e-3, atol=1e-5)
 
 
 def test_modules_are_drop_in():
