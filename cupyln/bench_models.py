@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from typing import NamedTuple
 
 WARMUP, STEPS, ROUNDS = 5, 25, 5
@@ -202,6 +204,7 @@ def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln"
         for comp in compiled:
             steps = {}
             for prov in providers:
+                t0 = time.perf_counter()
                 if hf:
                     steps[prov] = hf_stepper(torch, cfg, prov, comp, state)
                 else:
@@ -209,6 +212,10 @@ def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln"
                     if classes is not None:
                         cls = classes[0] if cfg.norm == "layernorm" else classes[1]
                         steps[prov] = stepper(torch, cfg, cls, comp, state)
+                # set up and warmed up (builds and compiles included): where a run stops
+                print(f"{name} {'compiled' if comp else 'eager'} {prov}: "
+                      f"{'ready' if steps.get(prov) else 'not available'} after "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             steps = {p: st for p, st in steps.items() if st is not None}
             times = {prov: [] for prov in steps}
             for _ in range(ROUNDS):
