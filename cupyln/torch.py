@@ -237,6 +237,7 @@ def _build_native():
         mod = load_inline("cupyln_torch_native", cpp_sources=[src], extra_cflags=["-O2"])
         mod.set_python(_native_forward, _native_backward)
         _NATIVE = mod
+        _NATIVE_BUILD.pop("error", None)  # a wait that gave up before the build ended
     except Exception as e:  # no compiler, no Python headers: the Python layer stays
         _NATIVE_BUILD["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
         warnings.warn(f"cupyln.torch: the C++ layer could not be built, so calls take the "
@@ -256,17 +257,31 @@ def _start_native():
         target=_build_native, name="cupyln.torch C++ layer build", daemon=True)
     thread.start()
     if mode == "wait":
-        thread.join()
+        _native_wait()
 
 
-def _native_wait():
-    """The C++ layer, its build started and awaited here if need be (benchmarks, tests); None
-    where it is off or cannot be built."""
+NATIVE_WAIT_S = 900.0  # a build still running then is taken as stuck (a killed build's lock)
+
+
+def _native_wait(timeout=None):
+    """The C++ layer, its build started and awaited here if need be (benchmarks, tests), for at
+    most ``timeout`` seconds (NATIVE_WAIT_S); None where it is off, cannot be built, or is
+    still building then (torch's builds wait without end on the lock a killed build left
+    behind), with the reason in ``_NATIVE_BUILD["error"]`` and a warning."""
     _start_native()
     thread = _NATIVE_BUILD.get("thread")
     if thread is not None:
-        thread.join()
+        wait = NATIVE_WAIT_S if timeout is None else timeout
+        thread.join(wait)
+        if thread.is_alive() and "error" not in _NATIVE_BUILD:
+            _NATIVE_BUILD["error"] = (
+                f"still building after {wait:.0f} s (a lock file left in torch's extensions "
+                f"folder, TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, by a build that was "
+                f"killed?)")
+            warnings.warn(f"cupyln.torch: the C++ layer is {_NATIVE_BUILD['error']}; calls "
+                          f"take the Python layer meanwhile", RuntimeWarning, stacklevel=2)
     return _NATIVE
+
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

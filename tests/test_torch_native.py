@@ -179,6 +179,32 @@ def test_without_a_compiler_the_python_layer_runs(monkeypatch):
     assert torch.allclose(y, torch.nn.functional.layer_norm(x, (16,)), atol=1e-5)
 
 
+def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch):
+    """A build stuck (on the lock a killed build leaves) gives the Python layer after the
+    wait's limit, with a warning that says why; its end, later, still brings the C++ layer."""
+    import threading
+    import types
+
+    import torch.utils.cpp_extension as ext
+
+    release = threading.Event()
+    built = types.SimpleNamespace(set_python=lambda *fns: None)
+
+    def stuck(*a, **kw):
+        release.wait(10)
+        return built
+
+    monkeypatch.setenv("CUPYLN_TORCH_NATIVE", "1")
+    monkeypatch.setattr(ct, "_NATIVE", None)
+    monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
+    monkeypatch.setattr(ext, "load_inline", stuck)
+    with pytest.warns(RuntimeWarning, match="still building after 0 s.*lock"):
+        assert ct._native_wait(timeout=0.05) is None
+    assert "still building" in ct._NATIVE_BUILD["error"]
+    release.set()
+    assert ct._native_wait() is built and "error" not in ct._NATIVE_BUILD
+
+
 def test_native_off_by_environment(monkeypatch):
     monkeypatch.setenv("CUPYLN_TORCH_NATIVE", "0")
     monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
