@@ -2,7 +2,8 @@
 // saturating to the largest finite value (448, 57344; infinities too), NaN kept a NaN of its
 // sign (0x7f, 0x7e), as ml_dtypes casts after a clip. Integer operations only, so that CUDA,
 // HIP and a host compiler (tests/test_compile.py checks every float32 against ml_dtypes) give
-// the same bits; it needs __float_as_uint, __uint_as_float and __float2int_rn (and for
+// the same bits (sm_89 on: the hardware's conversion, the same bits but for NaN's, which keep
+// this path); it needs __float_as_uint, __uint_as_float and __float2int_rn (and for
 // ClDivisor __fmul_rn, fmaf, and __frcp_rn or, with CLN_HIP or CLN_HOST, float division).
 #pragma once
 
@@ -79,11 +80,10 @@ struct ClDivisor {
   }
 };
 
-
-// a / d as a times d's reciprocal, for float8 codes: two multiplies (by ClDivisor's rounded
-// reciprocal of the scaled divisor, times one power of 2, then by the other power of 2; each
-// product lies between a and the quotient, so neither overflows or flushes where the quotient
-// does not). The result is within about one float32 rounding of the correctly rounded
+// a / d as a times d's reciprocal, for float8 codes: two multiplies, by ClDivisor's rounded
+// reciprocal of the scaled divisor times one of its powers of 2, then by the other (the first
+// product lies about between a and the quotient, so it overflows or flushes only where the
+// quotient does, or a is subnormal). Within 1.5 float32 ulps of the correctly rounded
 // quotient, so a code differs from the quotient's only where a tie between two codes lies
 // between them. A NaN divisor gives NaN.
 struct ClReciprocal {
