@@ -285,6 +285,7 @@ def _native_wait(timeout=None):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = frozenset((*_PLAIN, type(None)))  # a set's test of the types: the cheapest
 
 
 def _native_takes(x, *params):
@@ -295,8 +296,7 @@ def _native_takes(x, *params):
             _start_native()
         return False
     return (not torch.compiler.is_compiling() and type(x) in _PLAIN and x.is_cuda
-            and all(p is None or type(p) in _PLAIN for p in params)
-            and not _FUNCTORCH_ACTIVE())
+            and _PLAIN_OR_NONE.issuperset(map(type, params)) and not _FUNCTORCH_ACTIVE())
 
 
 # ----------------------------------------------------------------------------- custom ops
