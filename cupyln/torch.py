@@ -283,7 +283,6 @@ def _native_wait(timeout=None):
     return _NATIVE
 
 
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = frozenset((*_PLAIN, type(None)))  # a set's test of the types: the cheapest
 
