@@ -24,13 +24,20 @@ bits between runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 from . import api
 from ._dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
@@ -234,7 +241,9 @@ def _build_native():
         from torch.utils.cpp_extension import load_inline
 
         src = Path(__file__).with_name("_torch_native.cpp").read_text()
-        mod = load_inline("cupyln_torch_native", cpp_sources=[src], extra_cflags=["-O2"])
+        with _build_folder() as folder:
+            mod = load_inline("cupyln_torch_native", cpp_sources=[src], extra_cflags=["-O2"],
+                              build_directory=folder)
         mod.set_python(_native_forward, _native_backward)
         _NATIVE = mod
         _NATIVE_BUILD.pop("error", None)  # a wait that gave up before the build ended
@@ -243,6 +252,26 @@ def _build_native():
         warnings.warn(f"cupyln.torch: the C++ layer could not be built, so calls take the "
                       f"Python layer (more host time per call): {_NATIVE_BUILD['error']}",
                       RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _build_folder():
+    """The C++ layer's build folder (under TORCH_EXTENSIONS_DIR, else torch's default root; one
+    per Python and torch version), held under an operating-system lock for the build. torch's
+    own lock is a file that outlives a process killed mid-build, and later builds then wait on
+    it without end: ours ends with its process, so a torch lock found while ours is held is a
+    dead build's, and is removed. (Without fcntl, as on Windows, torch's lock alone.)"""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    folder = os.path.join(root, f"cupyln_torch_native_py{sys.version_info[0]}"
+                                f"{sys.version_info[1]}_torch{torch.__version__}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "cupyln.lock"), "w") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, "lock"))
+        yield folder
 
 
 def _start_native():

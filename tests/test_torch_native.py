@@ -160,9 +160,11 @@ def test_a_normalized_shape_that_does_not_fit_is_a_value_error(native):
         ct.layer_norm(x, (4, 32))
 
 
-def test_without_a_compiler_the_python_layer_runs(monkeypatch):
+def test_without_a_compiler_the_python_layer_runs(monkeypatch, tmp_path):
     """A build that fails warns once and leaves the Python layer (CPU tensors here)."""
     import torch.utils.cpp_extension as ext
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
 
     def fail(*a, **kw):
         raise RuntimeError("no compiler")
@@ -179,7 +181,34 @@ def test_without_a_compiler_the_python_layer_runs(monkeypatch):
     assert torch.allclose(y, torch.nn.functional.layer_norm(x, (16,)), atol=1e-5)
 
 
-def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch):
+def test_the_lock_of_a_build_killed_midway_does_not_stop_the_next(monkeypatch, tmp_path):
+    """A build killed mid-way leaves torch's lock file behind: the next build, in the folder
+    cupyln holds under its own lock, removes it before torch looks (else torch waits without
+    end) and builds there."""
+    import types
+
+    import torch.utils.cpp_extension as ext
+
+    seen = {}
+
+    def build(name, cpp_sources, extra_cflags, build_directory):
+        seen["folder"] = build_directory
+        seen["lock left"] = (tmp_path / build_directory / "lock").exists()
+        return types.SimpleNamespace(set_python=lambda *fns: None)
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with ct._build_folder() as folder:  # a build that was killed: torch's lock file stays
+        (tmp_path / folder / "lock").write_text("")
+    monkeypatch.setattr(ext, "load_inline", build)
+    monkeypatch.setattr(ct, "_NATIVE", None)
+    monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
+    ct._build_native()
+    assert ct._NATIVE is not None and "error" not in ct._NATIVE_BUILD
+    assert seen == {"folder": folder, "lock left": False}
+    assert folder.startswith(str(tmp_path))
+
+
+def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch, tmp_path):
     """A build stuck (on the lock a killed build leaves) gives the Python layer after the
     wait's limit, with a warning that says why; its end, later, still brings the C++ layer."""
     import threading
@@ -195,6 +224,7 @@ def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch):
         return built
 
     monkeypatch.setenv("CUPYLN_TORCH_NATIVE", "1")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(ct, "_NATIVE", None)
     monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
     monkeypatch.setattr(ext, "load_inline", stuck)
