@@ -353,6 +353,7 @@ def _modules(torch, op, N, with_liger):
     """{provider: module class} of the norm ``op``: cupyln.torch's, torch.nn's, Liger's."""
     import cupyln.torch as ct
 
+    ct._native_wait()  # the C++ layer built first: the rows time it, not whichever layer is up
     name = "LayerNorm" if op == "layernorm" else "RMSNorm"
     mods = {"cupyln.torch": getattr(ct, name), "torch.nn": getattr(torch.nn, name)}
     if with_liger:
