@@ -289,14 +289,13 @@ def _start_native():
         _native_wait()
 
 
-NATIVE_WAIT_S = 900.0  # a build still running then is taken as stuck (a killed build's lock)
+NATIVE_WAIT_S = 900.0  # a build still running then is taken as stuck
 
 
 def _native_wait(timeout=None):
     """The C++ layer, its build started and awaited here if need be (benchmarks, tests), for at
     most ``timeout`` seconds (NATIVE_WAIT_S); None where it is off, cannot be built, or is
-    still building then (torch's builds wait without end on the lock a killed build left
-    behind), with the reason in ``_NATIVE_BUILD["error"]`` and a warning."""
+    still building then, with the reason in ``_NATIVE_BUILD["error"]`` and a warning."""
     _start_native()
     thread = _NATIVE_BUILD.get("thread")
     if thread is not None:
@@ -304,9 +303,8 @@ def _native_wait(timeout=None):
         thread.join(wait)
         if thread.is_alive() and "error" not in _NATIVE_BUILD:
             _NATIVE_BUILD["error"] = (
-                f"still building after {wait:.0f} s (a lock file left in torch's extensions "
-                f"folder, TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, by a build that was "
-                f"killed?)")
+                f"still building after {wait:.0f} s (another process's build holding the lock "
+                f"of its folder under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions?)")
             warnings.warn(f"cupyln.torch: the C++ layer is {_NATIVE_BUILD['error']}; calls "
                           f"take the Python layer meanwhile", RuntimeWarning, stacklevel=2)
     return _NATIVE

@@ -209,8 +209,8 @@ def test_the_lock_of_a_build_killed_midway_does_not_stop_the_next(monkeypatch, t
 
 
 def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch, tmp_path):
-    """A build stuck (on the lock a killed build leaves) gives the Python layer after the
-    wait's limit, with a warning that says why; its end, later, still brings the C++ layer."""
+    """A build that does not end gives the Python layer after the wait's limit, with a warning
+    that says why; its end, later, still brings the C++ layer."""
     import threading
     import types
 
