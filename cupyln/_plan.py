@@ -135,8 +135,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     config = settings(config, family(hip, warp, clusters))
     names = set()
     for t, w in PARAM_PAIRS:
-        for ln, v in itertools.product((True, False), vec_options(t)):
-            s = Spec(t, w, ln, v, 1, warp, hip=hip)
+        for v in vec_options(t):
+            s = Spec(t, w, v, 1, warp, hip=hip)
             for spec, pass_ in itertools.chain(_fwd_specs(config.fwd, s, clusters),
                                                _bwd_specs(config.bwd, s, clusters)):
                 names.update(spec.names(pass_).values())
@@ -148,7 +148,7 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
     add = add_vec(s.dtype, s.vec) == s.vec  # a width the fused add runs at
     if s.wide and clusters:  # rows split over a cluster
         for h in (None, *(h_dtypes(s.dtype) if add else ())):
-            for tiles in fwd_cluster_sizes(cfg, s.is_ln, h):
+            for tiles in fwd_cluster_sizes(cfg, False, h):  # RMSNorm's: LayerNorm's and more
                 yield s._replace(npt=cfg.npt, tiles=tiles, hdtype=h), "fwd"
         if cfg.small_m and cfg.cluster_tiles > 1:  # few rows: one vector per thread
             for tiles in _few_row_tiles(cfg, 1):
@@ -156,7 +156,7 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
         if cfg.resident_npt:  # rows in a cluster's shared memory
             for tiles in cluster_sizes(cfg):
                 yield s._replace(npt=cfg.resident_npt, tiles=tiles, resident=True), "fwd"
-        for tiles in fwd_cluster_sizes(cfg, s.is_ln, None):  # peeled rows split over a cluster
+        for tiles in fwd_cluster_sizes(cfg, False, None):  # peeled rows split over a cluster
             yield s._replace(npt=cfg.npt, tiles=tiles, peeled=True), "fwd"
     for n in (1, 2, 4):
         if n <= cfg.npt:
@@ -408,7 +408,7 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
     rows = cfg.peel_parts_rows if hdtype is None else cfg.parts_rows_add
     if not g.fits and M <= min(info.sms * rows, 2**16 - 1):
-        spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, wp, hip=info.hip, peeled=True,
+        spec = Spec(dtype, wdtype, vec, cfg.npt, wp, hip=info.hip, peeled=True,
                     hdtype=hdtype)
         return _parts_plan(config, info, spec, "fwd_long", "fwd_peeled_parts", M,
                            N // vec * vec, _FWD_ARGS if hdtype is None else _FWD_ADD_ARGS)
@@ -421,7 +421,7 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
         return long()
     if not g.fits or g.tpr < 2 * vec or g.npt not in PEEL_NPTS:
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True, hdtype=hdtype)
+    spec = Spec(dtype, wdtype, vec, g.npt, wp, hip=info.hip, peeled=True, hdtype=hdtype)
     kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_peeled_early" if "fwd_peeled_early" in kerns and \
         M <= info.sms * cfg.peel_early_rows else "fwd_peeled"
@@ -459,7 +459,7 @@ def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     block = (round_up(cdiv(N // vec, tiles * cfg.npt), info.warp), 1)
     if not is_ln and block[0] < cfg.peel_cluster_rms_threads:
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, tiles, hip=info.hip, peeled=True)
+    spec = Spec(dtype, wdtype, vec, cfg.npt, info.warp, tiles, hip=info.hip, peeled=True)
     kern = info.kernels(spec, "fwd", config.source)["fwd_peeled_cluster"]
     if info.active_clusters(kern, (1, tiles), block, 0) == 0:
         return None
@@ -473,7 +473,7 @@ def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype=None)
     block spills), in chunks read twice: one row per block of ``tpr_max`` threads, the blocks
     looping over the rows."""
     cfg = config.fwd
-    spec = Spec(dtype, wdtype, is_ln, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
+    spec = Spec(dtype, wdtype, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
                 peeled=True, hdtype=hdtype)
     kern = info.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
     grid, block = (min(M, info.sms * cfg.grid_per_sm),), (cfg.tpr_max, 1)
@@ -519,7 +519,7 @@ def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
             f"{cfg.tpr_max * cfg.npt * vec} elements of {dtype} at this row's vector width, "
             f"got {N}")
     grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
+    spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
                 quant=True)
     kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
     launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_Q_ARGS, dtype))}
@@ -549,7 +549,7 @@ def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
     rg = _takes_row_kernel(cfg, info, g, dtype, M, N, vec)
     if rg is not None:
         g, grid = rg, (cdiv(M, rg.rpb),)
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, tpr=g.tpr if rg else 0,
+    spec = Spec(dtype, wdtype, vec, g.npt, info.warp, tpr=g.tpr if rg else 0,
                 row=rg is not None, hip=info.hip)
     kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_row" if rg else "fwd" if g.fits else "fwd_chunked"
@@ -561,7 +561,7 @@ def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
             main, (smem, grid) = "fwd_staged", staged
     if main == "fwd" and "fwd_early" in kerns and cfg.early:
         main = "fwd_early"
-    if main + "_full" in kerns and cfg.full and N % (g.tpr * g.npt * vec) == 0:
+    if is_ln and cfg.full and main + "_full" in kerns and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"
     launch = {"fwd": Launch(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
@@ -640,7 +640,7 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
     (``_plan_fwd_cluster``'s rules); None where the driver cannot place such a cluster."""
     cfg = config.fwd
     block = (round_up(cdiv(N // vec, tiles * npt), info.warp), 1)
-    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, hip=info.hip, hdtype=hdtype)
+    spec = Spec(dtype, wdtype, vec, npt, info.warp, tiles, hip=info.hip, hdtype=hdtype)
     kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_cluster"
     if info.active_clusters(kerns[main], (1, tiles), block, 0) == 0:
@@ -653,7 +653,7 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
         if resident and stages(config.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
     full = main + "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
-    if full in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0 \
+    if is_ln and full in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0 \
             and info.active_clusters(kerns[full], (1, tiles), block, smem):
         main = full
     launch = {"fwd": Launch(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
@@ -676,7 +676,7 @@ def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     if not tiles:
         return None
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
-    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True)
+    spec = Spec(dtype, wdtype, vec, npt, info.warp, tiles, resident=True)
     kern = info.kernels(spec, "fwd", config.source)["fwd_resident"]
     pack = tpr * 16  # one slot: a vector per thread
     static = kernel_resource(kern, "shared_size_bytes")
@@ -711,7 +711,7 @@ def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=Non
     blocks of the grid (two launches: the parts' statistics, with the fused add's h, then y);
     None elsewhere."""
     cfg = config.fwd
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.npt, info.warp, hip=info.hip, hdtype=hdtype)
+    spec = Spec(dtype, wdtype, vec, cfg.npt, info.warp, hip=info.hip, hdtype=hdtype)
     rows = cfg.parts_rows if hdtype is None else cfg.parts_rows_add
     if g.fits or M >= 2**16 or M > info.sms * rows or "fwd_parts" not in spec.names("fwd"):
         return None
@@ -736,7 +736,7 @@ def _parts_plan(config, info, spec, pass_, variant, M, N, args):
 def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     """The fused residual add's forward: the general geometry on direct rows (one chunk in
     registers, or chunks), none of the row kernel, staging or early parameters."""
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype)
+    spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype)
     kerns = info.kernels(spec, "fwd", config.source)
     main = "fwd_add" if g.fits else "fwd_add_chunked"
     block = (g.tpr, g.rpb)
@@ -754,7 +754,7 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
     sizes = cluster_sizes(cfg) if info.clusters and config.cluster else ()
     fits = [t for t in sizes if cdiv(N // vec, t * cfg.cluster_npt) <= most]
     for tiles in split_order(fits, M, cfg.cluster_split_rows):
-        spec = Spec(dtype, wdtype, is_ln, vec, cfg.cluster_npt, info.warp, tiles,
+        spec = Spec(dtype, wdtype, vec, cfg.cluster_npt, info.warp, tiles,
                     residual=residual)
         if "bwd_cluster" not in spec.names("bwd_long"):  # the widths Spec builds them for
             continue
@@ -764,7 +764,7 @@ def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
             return spec, kerns, (tpr, 1), tiles, True
     # its row sums over a cluster where clusters exist (the module then has its cluster kernels)
     tiles = cfg.cluster_tiles if info.clusters and config.cluster else 1
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
+    spec = Spec(dtype, wdtype, vec, cfg.tile_npt, info.warp, tiles, hip=info.hip,
                 residual=residual)
     kerns = info.kernels(spec, "bwd_long", config.source)
     return spec, kerns, (cfg.tile_tpr, 1), cdiv(N, cfg.tile_tpr * cfg.tile_npt * vec), False
@@ -821,7 +821,7 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
         g = Geometry(cfg.tile_tpr, cfg.tile_npt, 1, False)
     if g.tpr < 2 * vec:
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, wp, hip=info.hip, peeled=True,
+    spec = Spec(dtype, wdtype, vec, g.npt, wp, hip=info.hip, peeled=True,
                 residual=residual)
     main = "bwd_peeled" if g.fits else "bwd_peeled_tiles"
     kerns = info.kernels(spec, "bwd" if g.fits else "bwd_long", config.source)
@@ -881,7 +881,7 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
     run at once (each loops over rows), staged where they loop."""
     cfg = config.bwd
     if g.fits:
-        spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, hip=info.hip,
+        spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip,
                     residual=residual)
         kerns = info.kernels(spec, "bwd", config.source)
         block, tiles, cluster = (g.tpr, g.rpb), 1, False
@@ -950,7 +950,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
             N // vec > tiles * RESIDENT_BWD_THREADS * npt:
         return None
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
-    spec = Spec(dtype, wdtype, is_ln, vec, npt, info.warp, tiles, resident=True,
+    spec = Spec(dtype, wdtype, vec, npt, info.warp, tiles, resident=True,
                 residual=residual)
     kerns = info.kernels(spec, "bwd_long", config.source)
     smem = staging_bytes(info, dtype, vec, npt, tpr, 1, wdtype)  # bwd_rows' staged layout
@@ -1005,7 +1005,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
         return None
     # fewer rows a row of tiles than grid_step_min_rows go one at a time
     step = cfg.grid_step_rows if cdiv(M, most) >= cfg.grid_step_min_rows else 1
-    spec = Spec(dtype, wdtype, is_ln, vec, cfg.grid_npt, info.warp, residual=residual,
+    spec = Spec(dtype, wdtype, vec, cfg.grid_npt, info.warp, residual=residual,
                 grid=_grid_args(cfg, step))
     kerns = info.kernels(spec, "bwd_long", config.source)
     groups = rows_of_tiles(info.resident_blocks(kerns["bwd_grid"], tpr, smem))
@@ -1041,7 +1041,7 @@ def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual):
             and config.stage != "always"
             and M <= cfg.csum_blocks * rpb):
         return None
-    spec = Spec(dtype, wdtype, is_ln, vec, g.npt, info.warp, cfg.csum_blocks,
+    spec = Spec(dtype, wdtype, vec, g.npt, info.warp, cfg.csum_blocks,
                 residual=residual)
     kern = info.kernels(spec, "bwd", config.source)["bwd_csum"]
     # the values each block receives ([blocks][2N / blocks]), then its rows' column sums

@@ -17,7 +17,6 @@ PORTABLE_CLUSTER = 8  # blocks per cluster every sm_90 device runs; more need an
 class Spec(NamedTuple):
     dtype: np.dtype  # x, dy, y, dx
     wdtype: np.dtype  # gamma, beta, dgamma, dbeta
-    is_ln: bool
     vec: int  # elements per vector access
     npt: int  # vectors per thread per chunk
     warp: int  # 32 or 64
@@ -33,7 +32,7 @@ class Spec(NamedTuple):
     quant: bool = False  # forward: y in float8 (its kernel alone; hdtype: with the fused add)
 
     def _types(self):
-        return CTYPES[self.dtype], CTYPES[self.wdtype], _op(self.is_ln)
+        return CTYPES[self.dtype], CTYPES[self.wdtype]
 
     def _args(self):
         return f"{', '.join(self._types())}, {self.vec}, {self.npt}, {self.warp}"
@@ -83,16 +82,16 @@ class Spec(NamedTuple):
 
     def _fwd_names(self):
         if self.quant:  # y in float8, rows of one chunk, with or without the fused add
-            t, w, op = self._types()
+            t, w = self._types()
             h, add = (t, "no_add") if self.hdtype is None else (CTYPES[self.hdtype],
                                                                "residual_add")
-            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {op}, {self.vec}, {self.npt}, "
+            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {self.vec}, {self.npt}, "
                              f"{self.warp}, cln::{add}>"}
         if self.peeled:
             return self._fwd_peeled_names()
         if self.resident:  # rows split over a cluster, in its shared memory
-            t, w, op = self._types()
-            return {"fwd_resident": f"norm_fwd_resident<{t}, {w}, {op}, {self.npt}, "
+            t, w = self._types()
+            return {"fwd_resident": f"norm_fwd_resident<{t}, {w}, {self.npt}, "
                                     f"{self.warp}, {self.tiles}>"}
         if self.tiles > 1:
             return self._fwd_cluster_names()
@@ -105,12 +104,12 @@ class Spec(NamedTuple):
     def _fwd_peeled_names(self):
         """Peeled rows of one chunk (the fused add's, h in x's dtype: kernels of their own,
         never staged), or of one chunk of a cluster of ``tiles`` blocks."""
-        t, w, op = self._types()
+        t, w = self._types()
         if self.tiles > 1:
-            return {"fwd_peeled_cluster": f"norm_fwd_peeled_cluster<{t}, {w}, {op}, {self.npt}, "
+            return {"fwd_peeled_cluster": f"norm_fwd_peeled_cluster<{t}, {w}, {self.npt}, "
                                           f"{self.warp}, {self.tiles}>"}
         kern = "norm_fwd_peeled_add" if self.hdtype is not None else "norm_fwd_peeled"
-        a = f"{kern}<{t}, {w}, {op}, {self.npt}, {self.warp}"
+        a = f"{kern}<{t}, {w}, {self.npt}, {self.warp}"
         names = {"fwd_peeled": f"{a}>"}
         if self.npt == 1:  # few rows: gamma and beta read with the row
             names["fwd_peeled_early"] = f"{a}, cln::params_early>"
@@ -121,29 +120,29 @@ class Spec(NamedTuple):
     def _fwd_peeled_parts_names(self):
         """Peeled rows longer than one block, in parts over the grid, or (more rows) in chunks
         (the fused add's: kernels of their own, h in x's dtype)."""
-        t, w, op = self._types()
+        t, w = self._types()
         if self.hdtype is not None:
-            parts = f"norm_fwd_add_parts<{t}, {w}, {t}, {op}, {self.vec}, {self.warp}"
-            chunked = f"norm_fwd_peeled_add_chunked<{t}, {w}, {op}, {self.warp}>"
+            parts = f"norm_fwd_add_parts<{t}, {w}, {t}, {self.vec}, {self.warp}"
+            chunked = f"norm_fwd_peeled_add_chunked<{t}, {w}, {self.warp}>"
         else:
             parts = f"norm_fwd_parts<{self._vec_warp()}"
-            chunked = f"norm_fwd_peeled_chunked<{t}, {w}, {op}, {self.warp}>"
+            chunked = f"norm_fwd_peeled_chunked<{t}, {w}, {self.warp}>"
         return {"fwd_parts": f"{parts}, cln::part_stats, cln::peeled>",
                 "fwd_apply": f"{parts}, cln::part_apply, cln::peeled>",
                 "fwd_peeled_chunked": chunked}
 
     def _fwd_cluster_names(self):
         """Rows split over a cluster, in one chunk (longer ones: in parts)."""
-        t, w, op = self._types()
+        t, w = self._types()
         h = f"{CTYPES[self.hdtype]}, " if self.hdtype is not None else ""
         kern = "norm_fwd_add_cluster" if h else "norm_fwd_cluster"
-        a = f"{kern}<{t}, {w}, {h}{op}, {self.vec}, {self.npt}, {self.warp}, {self.tiles}"
+        a = f"{kern}<{t}, {w}, {h}{self.vec}, {self.npt}, {self.warp}, {self.tiles}"
         names = {"fwd_cluster": f"{a}, cln::one_chunk>"}
         # resident clusters, the next row copied ahead; rows of one vector per thread (few
         # rows, each cluster alone) never are
         if self.stages and not h and self.npt > 1:
             names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
-        if self.is_ln and not h:  # rows of whole chunks: no column tests
+        if not h:  # rows of whole chunks: no column tests
             for k in list(names):
                 stage = "cln::staged" if k.endswith("staged") else "cln::direct"
                 names[k + "_full"] = f"{a}, cln::one_chunk, {stage}, cln::cols_full>"
@@ -151,8 +150,8 @@ class Spec(NamedTuple):
 
     def _fwd_add_names(self):
         """The fused residual add: direct rows, chunks, parts."""
-        t, w, op = self._types()
-        a = f"{t}, {w}, {CTYPES[self.hdtype]}, {op}, {self.vec}"
+        t, w = self._types()
+        a = f"{t}, {w}, {CTYPES[self.hdtype]}, {self.vec}"
         names = {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
                  "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
         if self.wide:  # few long rows in parts over the grid, as the plain forward's
@@ -164,10 +163,8 @@ class Spec(NamedTuple):
         """The row kernel: one chunk, threads fixed."""
         row = f"norm_fwd_row<{self._vec_warp()}, {self.tpr}"
         npt = f", {self.npt}" if self.npt > 1 else ""
-        names = {"fwd_row": f"{row}, cln::cols_tested{npt}>"}
-        if self.is_ln:
-            names["fwd_row_full"] = f"{row}, cln::cols_full{npt}>"
-        return names
+        return {"fwd_row": f"{row}, cln::cols_tested{npt}>",
+                "fwd_row_full": f"{row}, cln::cols_full{npt}>"}
 
     def _fwd_rows_names(self):
         """Rows in one chunk (direct or staged), chunked rows, rows in parts."""
@@ -184,8 +181,8 @@ class Spec(NamedTuple):
         early = self.npt > 1 and self.dtype.itemsize >= 4 and self.wide
         if early:
             names["fwd_early"] = f"{fwd}, cln::params_early, cln::cols_tested>"
-        # LayerNorm rows that are a whole number of chunks: no column tests
-        if self.is_ln and self.wide:
+        # rows that are a whole number of chunks: no column tests
+        if self.wide:
             names["fwd_full"] = f"{fwd}, cln::params_late, cln::cols_full>"
             if early:
                 names["fwd_early_full"] = f"{fwd}, cln::params_early, cln::cols_full>"
@@ -203,8 +200,8 @@ class Spec(NamedTuple):
 
     def _bwd_head(self):
         """The leading template arguments of the kernels whose vector width follows the type."""
-        t, w, op = self._types()
-        return f"{t}, {w}, {op}, {self.npt}, {self.warp}"
+        t, w = self._types()
+        return f"{t}, {w}, {self.npt}, {self.warp}"
 
     def _bwd_long_row_names(self):
         """Long rows split over a cooperative grid, or held in a cluster's shared memory."""
@@ -272,9 +269,8 @@ class Spec(NamedTuple):
         return names
 
     def __str__(self):
-        op = "layernorm" if self.is_ln else "rmsnorm"
         return (
-            f"{op}[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
+            f"norm[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
             + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
             + (f", h={self.hdtype}" if self.hdtype is not None else "")
@@ -282,7 +278,3 @@ class Spec(NamedTuple):
             + (f", grid={self.grid}" if self.grid else "")
             + (", dresidual]" if self.residual else "]")
         )
-
-
-def _op(is_ln):
-    return "cln::layernorm" if is_ln else "cln::rmsnorm"

@@ -77,7 +77,7 @@ def test_nvrtc_front_end_finds_errors():
     from cupyln._dtypes import FLOAT16
     from cupyln._spec import Spec
 
-    names = set(Spec(FLOAT16, FLOAT16, True, 8, 4, 32).names("fwd").values())
+    names = set(Spec(FLOAT16, FLOAT16, 8, 4, 32).names("fwd").values())
     bad = source().replace("const C rstd = cl_rsqrt(m2 * inv_n + eps);",
                            "const C rstd = cl_rsqrt(m2 * inv_n + eps) + gamma;", 1)
     assert bad != source()
@@ -169,11 +169,11 @@ def test_kernel_names_say_what_the_kernel_is():
     from cupyln._dtypes import FLOAT16
     from cupyln._spec import Spec
 
-    names = Spec(FLOAT16, FLOAT16, True, 8, 4, 32).names("fwd")
+    names = Spec(FLOAT16, FLOAT16, 8, 4, 32).names("fwd")
     assert names["fwd_staged"] == (
-        "norm_fwd<cl_half, cl_half, cln::layernorm, 8, 4, 32, cln::staged, cln::params_late, "
+        "norm_fwd<cl_half, cl_half, 8, 4, 32, cln::staged, cln::params_late, "
         "cln::cols_tested>")
-    bwd = Spec(FLOAT16, FLOAT16, False, 8, 2, 32).names("bwd")
+    bwd = Spec(FLOAT16, FLOAT16, 8, 2, 32).names("bwd")
     assert bwd["bwd_staged_dyn"].endswith("cln::staged, cln::partials, cln::tickets>")
 
 

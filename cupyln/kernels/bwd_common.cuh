@@ -116,11 +116,11 @@ template <int XC, typename C> struct ClusterSums {
 
 // dx of one row from its two sums s = (sum(g), sum(g * xhat)), g = dy * gamma:
 // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = g * rs - (xhat * a + b), two fused
-// multiply-adds per element (RMSNorm: no mean(g) term, b = 0).
-template <bool LN, typename C> struct DxRow {
+// multiply-adds per element (RMSNorm, !ln: no mean(g) term, b = 0).
+template <typename C> struct DxRow {
   C rs, a, b;
-  __device__ __forceinline__ DxRow(C rstd, const C (&s)[2], C inv_n)
-      : rs(rstd), a(rstd * (s[1] * inv_n)), b(LN ? rstd * (s[0] * inv_n) : C(0)) {}
+  __device__ __forceinline__ DxRow(bool ln, C rstd, const C (&s)[2], C inv_n)
+      : rs(rstd), a(rstd * (s[1] * inv_n)), b(ln ? rstd * (s[0] * inv_n) : C(0)) {}
   __device__ __forceinline__ C operator()(C g, C xh) const { return g * rs - (xh * a + b); }
 };
 

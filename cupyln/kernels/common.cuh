@@ -13,7 +13,6 @@ typedef long long cl_i64;
 // Named template arguments: the host's name expressions (cupyln/_compile.py, Spec.names) spell
 // a kernel's variant with these, so that a name says what the kernel is.
 namespace cln {
-constexpr bool layernorm = true, rmsnorm = false;
 constexpr bool staged = true, direct = false;           // rows copied ahead into shared memory
 constexpr bool params_early = true, params_late = false;  // gamma/beta loaded with the row
 constexpr bool cols_full = true, cols_tested = false;   // every vector lies in the row

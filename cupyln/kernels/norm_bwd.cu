@@ -1,4 +1,5 @@
-// Backward pass of LayerNorm (LN = true) and RMSNorm (LN = false), one template family.
+// Backward pass of LayerNorm and RMSNorm, one kernel for both: LayerNorm where the host gives the
+// saved mean (`ln`, mean not null), RMSNorm where it gives none (as the forward's).
 //
 //   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * gamma
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dres   (RMSNorm: no mean(g) term;
@@ -180,11 +181,12 @@ __host__ __device__ constexpr int bwd_max_threads(int npt) { return npt == 1 ? 1
 // distributed shared memory (ClusterSums); partial, accum and counter are then unused.
 // ADD: the fused residual add's backward, dres (row stride ldres) added to dx; a compile-time
 // choice, so the other kernels keep their registers and instructions.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL,
+template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, int CL,
           bool LAST, int XC = 1, bool DYN = false, bool ADD = false>
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
+  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
   typedef Pack<T, VEC> P;
   // one cluster per row (the config's cluster_tiles), a row of whole warps per block (the
   // exchange's slots: CL times the launch bound's warps)
@@ -203,8 +205,8 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // choice: the two paths in one kernel (chosen by the launch's shared memory) made both slower
   // (131072x4096 bf16: 24% slower than staged; ptxas spilled in the loop).
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
-  // registers without spilling (sm_90: one 16-byte vector per thread, LayerNorm only)
-  constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && LN;
+  // registers without spilling (sm_90: one 16-byte vector per thread)
+  constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16;
   // ADD's dres: staged with x and dy at two or more vectors per thread, loaded with them on
   // direct rows, and at the dx store on staged rows of one vector per thread (staged there, it
   // lost). The host's staging_bytes agrees.
@@ -248,7 +250,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   auto stats = [&](cl_i64 row, C& mu, C& rs) {
     const bool ok = row < M;
     const cl_i64 r = ok ? row : 0;
-    mu = (LN && ok) ? (C)mean[r] : C(0);
+    mu = (ln && ok) ? (C)mean[r] : C(0);
     rs = ok ? (C)rstd[r] : C(0);
   };
   // Staged: issues row `row`'s copies into buffer `b` (zeros past M) and loads its statistics
@@ -362,7 +364,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
     if (dx && valid) {
       // DxRow's dx written out: through DxRow the compiled code of these kernels changed
       const C a = rs * (s[1] * inv_n);
-      const C b = LN ? rs * (s[0] * inv_n) : C(0);
+      const C b = ln ? rs * (s[0] * inv_n) : C(0);
       T* dxr = dx + row * N;
 #pragma unroll
       for (int k = 0; k < NPT; ++k) {
@@ -407,10 +409,11 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
 // (blockDim.x * NPT vectors each), whose row sums norm_bwd_rowsums (peeled) has computed; tile 0
 // also takes the head and tail. ADD: the fused add's dresidual (rows alike with x's, the host's
 // rule), read with the row and added to dx.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool TILES = false,
+template <typename T, typename W, int NPT, int WARP, bool TILES = false,
           bool ADD = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
+  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
   constexpr int VEC = 16 / (int)sizeof(T);
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
@@ -440,7 +443,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = C(0);
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
-    const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
+    const C mu = ln ? (C)mean[row] : C(0), rs = (C)rstd[row];
     Pack<T, VEC> px[NPT], pdy[NPT], pdr[ADD ? NPT : 1];
     load_packs<VEC, NPT>(x + row * ldx + head, c0, mid, true, px);
     load_packs<VEC, NPT>(dy + row * lddy + head, c0, mid, true, pdy);
@@ -480,7 +483,7 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
       row_allreduce<WARP>(s, phase);
     }
     if (!dx) continue;
-    const DxRow<LN, C> dxe(rs, s, inv_n);
+    const DxRow<C> dxe(ln, rs, s, inv_n);
     T* dxr = dx + row * N;
 #pragma unroll
     for (int k = 0; k < NPT; ++k) {
@@ -519,43 +522,43 @@ __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_
 
 // LAST (direct rows only): a grid of few blocks whose last block sums their partials, in
 // norm_bwd_reduce's order (the planner's choice where that costs less than a second launch).
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST,
+template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, bool LAST,
           bool DYN = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN>(CLN_BWD_ARGS);
+  bwd_rows<T, W, VEC, NPT, WARP, STAGE, 1, LAST, 1, DYN>(CLN_BWD_ARGS);
 }
 
 // The fused residual add's backward (bwd_rows' ADD): rows within a block or column tiles, direct
 // or staged, and long rows in clusters of CL column tiles (direct or staged, 16-byte vectors).
 // Built for 16-byte vectors and single elements only, as the fused forward.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool LAST>
+template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, bool LAST>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_add(CLN_BWD_PARAMS) {
   static_assert(!(STAGE && LAST), "the last-block sums are for direct rows");
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, 1, LAST, 1, false, true>(CLN_BWD_ARGS);
+  bwd_rows<T, W, VEC, NPT, WARP, STAGE, 1, LAST, 1, false, true>(CLN_BWD_ARGS);
 }
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
+template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_add_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false, 1, false, true>(CLN_BWD_ARGS);
+  bwd_rows<T, W, VEC, NPT, WARP, STAGE, CL, false, 1, false, true>(CLN_BWD_ARGS);
 }
 
 // A grid of one cluster of XC blocks that sum dgamma/dbeta in it (sm_90 on; the planner's choice
 // where the rows fit in its blocks at once: bwd.cluster_sums); ADD: the fused add's too.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int XC, bool ADD = false>
+template <typename T, typename W, int VEC, int NPT, int WARP, int XC, bool ADD = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(XC, 1, 1) norm_bwd_csum(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, false, 1, false, XC, false, ADD>(CLN_BWD_ARGS);
+  bwd_rows<T, W, VEC, NPT, WARP, false, 1, false, XC, false, ADD>(CLN_BWD_ARGS);
 }
 
 // Long rows in clusters of CL column tiles (the planner's choice on sm_90 where a row fits in
 // that many blocks; CL is bwd.cluster_tiles); elsewhere norm_bwd_rowsums, then norm_bwd on
 // column tiles.
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, int CL>
+template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, int CL>
 __global__ void __launch_bounds__(bwd_max_threads(NPT))
 CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
-  bwd_rows<T, W, LN, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
+  bwd_rows<T, W, VEC, NPT, WARP, STAGE, CL, false>(CLN_BWD_ARGS);
 }
 
 // One row of NPT vectors per thread in shared memory (x and dy: px, pdy; gamma staged once in
@@ -564,22 +567,21 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_bwd_cluster(CLN_BWD_PARAMS) {
 // b) as bwd_rows'. 16-bit LayerNorm reads one vector at a time (hoisted together, the loads
 // spilled; RMSNorm and float32 lost a little so). norm_bwd_resident keeps the same passes
 // inline: through these helpers ptxas spilled more there (16-bit: 16-24 bytes against 8-16).
-template <bool LN, typename T, int VEC, typename W, typename G, typename C,
+template <typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
-__device__ __forceinline__ void smem_row_vec(const SmemRow<P>& px, const SmemRow<P>& pdy,
+__device__ __forceinline__ void smem_row_vec(bool ln, const SmemRow<P>& px, const SmemRow<P>& pdy,
                                              const W* gamma, const G* gstage, int k, C mu,
                                              cl_i64 c0, cl_i64 N, P& xk, P& dk, G& gk, C& mk) {
-  constexpr bool ONE_AT_A_TIME = LN && sizeof(T) == 2;
-  if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
+  if (ln && sizeof(T) == 2 && k > 0) asm volatile("" ::: "memory");  // one at a time
   xk = px[k];
   dk = pdy[k];
   if (gamma) gk = gstage[k * px.stride + threadIdx.x];
   mk = c0 + ((cl_i64)k * px.stride + threadIdx.x) * VEC < N ? mu : C(0);  // x is 0 past N
 }
 
-template <bool LN, int NPT, typename T, int VEC, typename W, typename G, typename C,
+template <int NPT, typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
-__device__ __forceinline__ void smem_row_sums(const SmemRow<Pack<T, VEC>>& px,
+__device__ __forceinline__ void smem_row_sums(bool ln, const SmemRow<Pack<T, VEC>>& px,
                                               const SmemRow<P>& pdy, const W* gamma,
                                               const G* gstage, C mu, C rs, cl_i64 c0, cl_i64 N,
                                               C (&acc_g)[NPT][VEC], C (&acc_b)[NPT][VEC],
@@ -590,7 +592,7 @@ __device__ __forceinline__ void smem_row_sums(const SmemRow<Pack<T, VEC>>& px,
     P xk, dk;
     G gk;
     C mk;
-    smem_row_vec<LN, T, VEC>(px, pdy, gamma, gstage, k, mu, c0, N, xk, dk, gk, mk);
+    smem_row_vec<T, VEC>(ln, px, pdy, gamma, gstage, k, mu, c0, N, xk, dk, gk, mk);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const C d = (C)elem(dk, j), xh = ((C)elem(xk, j) - mk) * rs;
@@ -604,13 +606,13 @@ __device__ __forceinline__ void smem_row_sums(const SmemRow<Pack<T, VEC>>& px,
 }
 
 // ADD: the fused residual add's dres row (pdr, in shared memory as x and dy) added to dx.
-template <bool LN, int NPT, bool ADD, typename T, int VEC, typename W, typename G, typename C,
+template <int NPT, bool ADD, typename T, int VEC, typename W, typename G, typename C,
           typename P = Pack<T, VEC>>
-__device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
+__device__ __forceinline__ void smem_row_dx(bool ln, const SmemRow<Pack<T, VEC>>& px,
                                             const SmemRow<P>& pdy, const SmemRow<P>& pdr,
                                             const W* gamma, const G* gstage, C mu, C rs, C inv_n,
                                             const C (&s)[2], cl_i64 c0, cl_i64 N, T* dxr) {
-  const DxRow<LN, C> dxe(rs, s, inv_n);
+  const DxRow<C> dxe(ln, rs, s, inv_n);
 #pragma unroll
   for (int k = 0; k < NPT; ++k) {
     const cl_i64 col = c0 + ((cl_i64)k * px.stride + threadIdx.x) * VEC;
@@ -618,7 +620,7 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
     P xk, dk;
     G gk;
     C mk, o[VEC];
-    smem_row_vec<LN, T, VEC>(px, pdy, gamma, gstage, k, mu, c0, N, xk, dk, gk, mk);
+    smem_row_vec<T, VEC>(ln, px, pdy, gamma, gstage, k, mu, c0, N, xk, dk, gk, mk);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const C xh = ((C)elem(xk, j) - mk) * rs;
@@ -646,16 +648,17 @@ __device__ __forceinline__ void smem_row_dx(const SmemRow<Pack<T, VEC>>& px,
 // read from there. The flush is bwd_rows' (partials, atomics, or one row of blocks). Staged is
 // known at compile time: decided at run time it spilled 8 bytes more, a flag whose reload
 // queued behind the copies.
-template <typename T, typename W, bool LN, int NPT, int WARP, int CL, int ADD = 0>
+template <typename T, typename W, int NPT, int WARP, int CL, int ADD = 0>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_resident(CLN_BWD_PARAMS) {
 #if CLN_CLUSTERS && CLN_ASYNC_COPY
   typedef typename Acc<T>::type C;
+  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
+  const bool one_at_a_time = ln && sizeof(T) == 2;  // see smem_row_vec
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
   typedef typename Held<W, VEC>::type G;
   constexpr int CSLOTS = cluster_slots<CL, WARP, 1024>();
-  constexpr bool ONE_AT_A_TIME = LN && sizeof(T) == 2;
   cluster_rows_init<CL, WARP, CSLOTS, 2, C>();
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
@@ -688,7 +691,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
   prefetch(blockIdx.x, 0);
   int phase = 0;
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
-    const C mu = LN ? (C)mean[row] : C(0), rs = (C)rstd[row];
+    const C mu = ln ? (C)mean[row] : C(0), rs = (C)rstd[row];
     if (dres_staged) {  // this row's dres, committed before the next row's x and dy
       stage_packs<VEC, NPT>(dstage, dres + row * ldres, c0, N, true);
       async_commit();
@@ -723,7 +726,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
       C mk;
       // 16-bit LayerNorm: one vector's loads at a time (hoisted together, they spilled;
       // RMSNorm and float32 lost a little so)
-      if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
+      if (one_at_a_time && k > 0) asm volatile("" ::: "memory");
       at(k, xk, dk, gk, mk);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
@@ -737,7 +740,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
     }
     cluster_allreduce<CL, CSLOTS, WARP>(s, phase);  // the row's warps in all tiles
     if (dx) {
-      const DxRow<LN, C> dxe(rs, s, inv_n);
+      const DxRow<C> dxe(ln, rs, s, inv_n);
       T* dxr = dx + row * N;
       if (dres_staged) async_wait<1>();  // this row's dres has landed
 #pragma unroll
@@ -747,7 +750,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
         P xk, dk;
         G gk;
         C mk, o[VEC];
-        if (ONE_AT_A_TIME && k > 0) asm volatile("" ::: "memory");
+        if (one_at_a_time && k > 0) asm volatile("" ::: "memory");
         at(k, xk, dk, gk, mk);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -785,7 +788,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
 // the wait for the slowest tile overlaps LAG steps' work and NB / R - LAG steps stay in flight.
 // ADD: the fused residual add's dres, staged with x and dy, added to dx. The flush is bwd_rows'
 // (partials, atomics, or one row of blocks).
-template <typename T, typename W, bool LN, int NPT, int WARP, int NB, int LAG, int R,
+template <typename T, typename W, int NPT, int WARP, int NB, int LAG, int R,
           bool ADD = false>
 __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 #if CLN_ASYNC_COPY
@@ -798,6 +801,7 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
   typedef typename Held<W, VEC>::type G;
   constexpr int ROWS_IN = ADD ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
   if (tickets == nullptr || blockDim.y != 1) cl_trap();
+  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
   const GridRowSums<2 * R, WARP, 2 * LAG + 2> sums(tickets);
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;
@@ -847,7 +851,7 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
         C sr[2] = {C(0), C(0)};
         rows_of(q, px, pdy);
         if (q < n)
-          smem_row_sums<LN, NPT>(px, pdy, gamma, gstage, LN ? (C)mean[row] : C(0),
+          smem_row_sums<NPT>(ln, px, pdy, gamma, gstage, ln ? (C)mean[row] : C(0),
                                  (C)rstd[row], c0, N, acc_g, acc_b, sr);
         s[2 * r] = sr[0];
         s[2 * r + 1] = sr[1];
@@ -865,7 +869,7 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
         rows_of(q, px, pdy);
         const SmemRow<P> pdr{pdy.base + NPT * threads, threads};  // dres (ADD)
         if (dx && q < n)
-          smem_row_dx<LN, NPT, ADD>(px, pdy, pdr, gamma, gstage, LN ? (C)mean[row] : C(0),
+          smem_row_dx<NPT, ADD>(ln, px, pdy, pdr, gamma, gstage, ln ? (C)mean[row] : C(0),
                                     (C)rstd[row], inv_n, sr, c0, N, dx + row * N);
       }
     }
@@ -890,7 +894,7 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 // PEEL (one row per block, or in parts): rows peeled as norm_bwd_peeled's tiles take them, the
 // middle in 16-byte vectors (VEC) from each row's head, the head and tail one element per thread
 // of the first 2 * VEC (of part 0).
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL = 1,
+template <typename T, typename W, int VEC, int NPT, int WARP, int CL = 1,
           bool PARTS = false, bool PEEL = false>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x, cl_i64 ldx,
@@ -909,7 +913,7 @@ norm_bwd_rowsums(const T* __restrict__ dy, cl_i64 lddy, const T* __restrict__ x,
   for (cl_i64 row = blockIdx.x; row < M; row += gridDim.x, ++phase) {
     const T* xr = x + row * ldx;
     const T* dyr = dy + row * lddy;
-    const C mu = LN ? (C)mean[row] : C(0);
+    const C mu = mean ? (C)mean[row] : C(0);  // LayerNorm's (RMSNorm: none)
     const C rs = (C)rstd[row];
     C s[2] = {C(0), C(0)};
     // peeled: the middle's `end` elements from column `head` (else the whole row)

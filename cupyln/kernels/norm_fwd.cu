@@ -1,4 +1,6 @@
-// Forward pass of LayerNorm (LN = true) and RMSNorm (LN = false), one template for both.
+// Forward pass of LayerNorm and RMSNorm, one kernel for both: LayerNorm where the host gives the
+// mean's output (`ln`, mean_out not null), RMSNorm where it gives none. The choice is uniform over
+// the launch, so each row runs its norm's own code: a branch, not a second specialization.
 //
 // Geometry (decided by cupyln/_plan.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
@@ -30,27 +32,33 @@ __device__ __forceinline__ void tile_allreduce(C (&v)[1], int phase) {
 // EDGE: one more element `ex` of the row in this thread (a peeled head or tail element, where
 // `has_ex`), counted in `inv_cnt` but outside the vectors.
 // `p[k]`: the thread's k-th vector (an array in registers, or a SmemRow).
-template <bool CHUNKED, bool LN, int WARP, int VEC, int NPT, bool FULL, int TPR, int CL,
+template <bool CHUNKED, int WARP, int VEC, int NPT, bool FULL, int TPR, int CL,
           bool EDGE = false, typename R, typename C>
-__device__ __forceinline__ void chunk_stats(const R& p, cl_i64 c0, cl_i64 t0, cl_i64 N,
+__device__ __forceinline__ void chunk_stats(bool ln, const R& p, cl_i64 c0, cl_i64 t0, cl_i64 N,
                                             cl_i64 chunk, int phase, C inv_cnt, C& n, C& mean,
                                             C& m2, C ex = C(0), bool has_ex = false) {
   C s[1] = {C(0)};
-#pragma unroll
-  for (int k = 0; k < NPT; ++k)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const C v = (C)elem(p[k], j);
-      s[0] += LN ? v : v * v;
-    }
-  if (EDGE && has_ex) s[0] += LN ? ex : ex * ex;
   // Consecutive calls alternate the reduction buffers: LayerNorm calls twice per chunk (2p and
   // 2p + 1), RMSNorm once (p). racecheck found RMSNorm at 2p (always the same buffer) racing.
-  tile_allreduce<CL, WARP, TPR>(s, LN ? 2 * phase : phase);
-  if (!LN) {
+  if (!ln) {  // RMSNorm: the sum of squares alone
+#pragma unroll
+    for (int k = 0; k < NPT; ++k)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const C v = (C)elem(p[k], j);
+        s[0] += v * v;
+      }
+    if (EDGE && has_ex) s[0] += ex * ex;
+    tile_allreduce<CL, WARP, TPR>(s, phase);
     m2 += s[0];
     return;
   }
+#pragma unroll
+  for (int k = 0; k < NPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s[0] += (C)elem(p[k], j);
+  if (EDGE && has_ex) s[0] += ex;
+  tile_allreduce<CL, WARP, TPR>(s, 2 * phase);
   const C cnt = (C)(N - c0 < chunk ? N - c0 : chunk);
   const C cm = CHUNKED ? s[0] / cnt : cl_mul(s[0], inv_cnt);  // the stored mean, rounded
   C q[1] = {C(0)};
@@ -228,7 +236,7 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
 // one atomic max per thread that wrote a row's scale.
 template <typename T, bool QUANT> struct YOut { typedef T type; };
 template <typename T> struct YOut<T, true> { typedef unsigned char type; };
-template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, bool LN, int VEC,
+template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, int VEC,
           int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false, int CL = 1,
           bool QUANT = false>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
@@ -246,6 +254,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   static_assert(CL == 1 || !EARLY_PARAMS, "clusters: parameters late");
   static_assert(!QUANT || (!CHUNKED && CL == 1 && !FULL), "float8 y: rows of one chunk");
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
   const cl_i64 span = CL * chunk;
@@ -305,13 +314,13 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
         load_packs<VEC, NPT, FULL>(gamma, tile, N, gamma != nullptr, hg);
         load_packs<VEC, NPT, FULL>(beta, tile, N, beta != nullptr, hb);
       }
-      chunk_stats<CHUNKED, LN, WARP, VEC, NPT, FULL, 0, CL>(p, c * span, t0, N, span, phase,
+      chunk_stats<CHUNKED, WARP, VEC, NPT, FULL, 0, CL>(ln, p, c * span, t0, N, span, phase,
                                                             inv_n, n, mean, m2);
     }
-    const C mu = LN ? mean : C(0);
+    const C mu = ln ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (valid && threadIdx.x == 0) {
-      if (LN) mean_out[row] = (float)mu;
+      if (ln) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
     if constexpr (QUANT) {
@@ -346,16 +355,16 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       cl_i64 N, typename Acc<T>::type eps
 #define CLN_FWD_ARGS x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps
 
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
+template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
           bool FULL>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, LN, VEC, NPT, WARP, FULL>(CLN_FWD_ARGS);
+  fwd_rows<false, STAGE, EARLY, T, W, VEC, NPT, WARP, FULL>(CLN_FWD_ARGS);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
-template <typename T, typename W, bool LN, int VEC, int WARP>
+template <typename T, typename W, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_chunked(CLN_FWD_PARAMS) {
-  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP>(CLN_FWD_ARGS);
+  fwd_rows<true, false, false, T, W, VEC, 4, WARP>(CLN_FWD_ARGS);
 }
 
 // y of a peeled row's vectors held in p (from column head + c0 of the middle's `mid` elements)
@@ -416,12 +425,13 @@ template <int VEC> struct PeeledVec<cl_half, VEC, 8> { typedef Pack<cl_half, VEC
 // reads the row from its buffer (SmemRow), no registers held for it.
 // ADD: the fused residual add, h in T (res's and h's rows start alike with x's within 16 bytes,
 // the host's rule): each row's h = x + res stored and normalized as stored, never staged.
-template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY, bool STAGE, bool ADD>
+template <typename T, typename W, int NPT, int WARP, bool EARLY, bool STAGE, bool ADD>
 __device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restrict__ res,
                                                 cl_i64 ldr, T* __restrict__ hout) {
   static_assert(!EARLY || NPT == 1, "early parameters: one vector per thread");
   static_assert(!(ADD && STAGE), "the fused add: rows never staged");
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   constexpr int VEC = 16 / (int)sizeof(T);
   const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
@@ -481,16 +491,16 @@ __device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restr
     }
     C n = C(0), mean = C(0), m2 = C(0);
     if constexpr (STAGED)
-      chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(sp, 0, 0, mid, mid, phase, inv_n,
+      chunk_stats<false, WARP, VEC, NPT, false, 0, 1, true>(ln, sp, 0, 0, mid, mid, phase, inv_n,
                                                                  n, mean, m2, ex, has_e);
     else
-      chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(p, 0, 0, mid, mid, phase, inv_n,
+      chunk_stats<false, WARP, VEC, NPT, false, 0, 1, true>(ln, p, 0, 0, mid, mid, phase, inv_n,
                                                                  n, mean, m2, ex, has_e);
-    const C mu = LN ? mean : C(0);
+    const C mu = ln ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (!valid) continue;
     if (t == 0) {
-      if (LN) mean_out[row] = (float)mu;
+      if (ln) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
     // write_peeled's loop, written out: through the helper this kernel compiles to other PTX,
@@ -519,17 +529,17 @@ __device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restr
   if constexpr (STAGED) async_wait<0>();
 }
 
-template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false,
+template <typename T, typename W, int NPT, int WARP, bool EARLY = false,
           bool STAGE = false>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled(CLN_FWD_PARAMS) {
-  fwd_peeled_rows<T, W, LN, NPT, WARP, EARLY, STAGE, false>(CLN_FWD_ARGS, nullptr, 0, nullptr);
+  fwd_peeled_rows<T, W, NPT, WARP, EARLY, STAGE, false>(CLN_FWD_ARGS, nullptr, 0, nullptr);
 }
 
-template <typename T, typename W, bool LN, int NPT, int WARP, bool EARLY = false>
+template <typename T, typename W, int NPT, int WARP, bool EARLY = false>
 __global__ void __launch_bounds__(1024)
 norm_fwd_peeled_add(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ldr,
                     T* __restrict__ hout) {
-  fwd_peeled_rows<T, W, LN, NPT, WARP, EARLY, false, true>(CLN_FWD_ARGS, res, ldr, hout);
+  fwd_peeled_rows<T, W, NPT, WARP, EARLY, false, true>(CLN_FWD_ARGS, res, ldr, hout);
 }
 
 // Peeled rows longer than one block of 8 vectors per thread, more of them than parts over the
@@ -539,10 +549,11 @@ norm_fwd_peeled_add(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ldr,
 // statistics (chunk 0's with the peeled elements) merged by Chan's formula, then y (the second
 // read mostly from L2). One row per block; blockDim.x >= 2 * VEC. ADD: as fwd_peeled_rows', the
 // second read of h as this thread stored it.
-template <typename T, typename W, bool LN, int WARP, bool ADD>
+template <typename T, typename W, int WARP, bool ADD>
 __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __restrict__ res,
                                                   cl_i64 ldr, T* __restrict__ hout) {
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   constexpr int VEC = 16 / (int)sizeof(T), NPT = 4;
   const int t = threadIdx.x;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
@@ -568,15 +579,15 @@ __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __res
       else
         load_row<VEC, NPT>(xr + head, c0, mid, true, p);
       C cn = C(0), cmean = C(0), cm2 = C(0);
-      chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(
+      chunk_stats<false, WARP, VEC, NPT, false, 0, 1, true>(ln, 
           p, c0, c0, mid, chunk, phase, C(1) / cnt, cn, cmean, cm2, ex, has_e && c == 0);
-      if (LN) chan_merge(n, mean, m2, cnt, cmean, cm2);
+      if (ln) chan_merge(n, mean, m2, cnt, cmean, cm2);
       else m2 += cm2;
     }
-    const C mu = LN ? mean : C(0);
+    const C mu = ln ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (t == 0) {
-      if (LN) mean_out[row] = (float)mu;
+      if (ln) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
     const T* back = ADD ? hr : xr;  // h, as this thread stored it
@@ -588,16 +599,16 @@ __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __res
   }
 }
 
-template <typename T, typename W, bool LN, int WARP>
+template <typename T, typename W, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_peeled_chunked(CLN_FWD_PARAMS) {
-  fwd_peeled_chunks<T, W, LN, WARP, false>(CLN_FWD_ARGS, nullptr, 0, nullptr);
+  fwd_peeled_chunks<T, W, WARP, false>(CLN_FWD_ARGS, nullptr, 0, nullptr);
 }
 
-template <typename T, typename W, bool LN, int WARP>
+template <typename T, typename W, int WARP>
 __global__ void __launch_bounds__(1024)
 norm_fwd_peeled_add_chunked(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ldr,
                             T* __restrict__ hout) {
-  fwd_peeled_chunks<T, W, LN, WARP, true>(CLN_FWD_ARGS, res, ldr, hout);
+  fwd_peeled_chunks<T, W, WARP, true>(CLN_FWD_ARGS, res, ldr, hout);
 }
 
 // Peeled rows longer than one block split over the CL blocks of a cluster (sm_90; with the
@@ -606,11 +617,12 @@ norm_fwd_peeled_add_chunked(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ld
 // vectors span the cluster (block r holding its part r); the first block's first 2 * VEC
 // threads also take the head and tail, one element each. One row per cluster at a time, gamma and beta read
 // per element at the output.
-template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
+template <typename T, typename W, int NPT, int WARP, int CL>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_peeled_cluster(CLN_FWD_PARAMS) {
 #if CLN_CLUSTERS
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   constexpr int VEC = 16 / (int)sizeof(T);
   cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const int t = threadIdx.x;
@@ -629,12 +641,12 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_peeled_cluster(CLN_FWD_PARAMS) {
     const C ex = peeled_elem<false, T>(xr, nullptr, nullptr, ec, has_e);
     load_row<VEC, NPT>(xr + head, tile, mid, true, p);
     C n = C(0), mean = C(0), m2 = C(0);
-    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, CL, true>(
+    chunk_stats<false, WARP, VEC, NPT, false, 0, CL, true>(ln, 
         p, 0, tile, mid, CL * chunk, phase, inv_n, n, mean, m2, ex, has_e);
-    const C mu = LN ? mean : C(0);
+    const C mu = ln ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (edges && t == 0) {
-      if (LN) mean_out[row] = (float)mu;
+      if (ln) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
     write_peeled<VEC, NPT>(p, tile, mid, head, ex, ec, has_e, mu, rstd, gamma, beta, y + row * N);
@@ -650,9 +662,9 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_peeled_cluster(CLN_FWD_PARAMS) {
 // rule): intermediate widths would double the specializations for rare alignments.
 #define CLN_FWD_ADD_PARAMS \
   CLN_FWD_PARAMS, const H *__restrict__ res, cl_i64 ldr, H *__restrict__ hout
-template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP>
+template <typename T, typename W, typename H, int VEC, int NPT, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
-  fwd_rows<false, false, false, T, W, LN, VEC, NPT, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
+  fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
                                                                           hout);
 }
 
@@ -664,15 +676,15 @@ __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
       cl_i64 M, cl_i64 N, typename Acc<T>::type eps, const H *__restrict__ res, cl_i64 ldr,     \
       H *__restrict__ hout, float *__restrict__ qscale, const float *__restrict__ yscale,       \
       float *__restrict__ qamax, cl_i64 qflags
-template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, bool ADD>
+template <typename T, typename W, typename H, int VEC, int NPT, int WARP, bool ADD>
 __global__ void __launch_bounds__(VEC == 1 ? 1024 : 512) norm_fwd_q(CLN_FWD_Q_PARAMS) {
-  fwd_rows<false, false, false, T, W, LN, VEC, NPT, WARP, false, H, ADD, 1, true>(
+  fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, ADD, 1, true>(
       CLN_FWD_ARGS, res, ldr, hout, qscale, yscale, qamax, (int)qflags);
 }
 
-template <typename T, typename W, typename H, bool LN, int VEC, int WARP>
+template <typename T, typename W, typename H, int VEC, int WARP>
 __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS) {
-  fwd_rows<true, false, false, T, W, LN, VEC, 4, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
+  fwd_rows<true, false, false, T, W, VEC, 4, WARP, false, H, true>(CLN_FWD_ARGS, res, ldr,
                                                                        hout);
 }
 
@@ -683,18 +695,18 @@ __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS)
 // shared memory while it reduces this one, so the exchanges' latency overlaps the loads. Built
 // for 16-byte vectors, as the fused add's (norm_fwd_add_cluster, direct). FULL: rows that are a
 // whole number of the cluster's chunks (LayerNorm's, as the direct rows').
-template <typename T, typename W, bool LN, int VEC, int NPT, int WARP, int CL, bool CHUNKED,
+template <typename T, typename W, int VEC, int NPT, int WARP, int CL, bool CHUNKED,
           bool STAGE = false, bool FULL = false>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_cluster(CLN_FWD_PARAMS) {
-  fwd_rows<CHUNKED, STAGE, false, T, W, LN, VEC, NPT, WARP, FULL, T, false, CL>(CLN_FWD_ARGS);
+  fwd_rows<CHUNKED, STAGE, false, T, W, VEC, NPT, WARP, FULL, T, false, CL>(CLN_FWD_ARGS);
 }
 
-template <typename T, typename W, typename H, bool LN, int VEC, int NPT, int WARP, int CL,
+template <typename T, typename W, typename H, int VEC, int NPT, int WARP, int CL,
           bool CHUNKED>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_add_cluster(CLN_FWD_ADD_PARAMS) {
-  fwd_rows<CHUNKED, false, false, T, W, LN, VEC, NPT, WARP, false, H, true, CL>(CLN_FWD_ARGS, res,
+  fwd_rows<CHUNKED, false, false, T, W, VEC, NPT, WARP, false, H, true, CL>(CLN_FWD_ARGS, res,
                                                                               ldr, hout);
 }
 
@@ -719,11 +731,12 @@ template <typename P> struct RingRow {
 // the slot of this row's vector just written out, so that the next row streams in while this
 // one is reduced and written even where two rows do not fit. Each thread reads only the slots
 // it copied into: no barrier.
-template <typename T, typename W, bool LN, int NPT, int WARP, int CL>
+template <typename T, typename W, int NPT, int WARP, int CL>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_resident(CLN_FWD_PARAMS) {
 #if CLN_CLUSTERS && CLN_ASYNC_COPY
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
   cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
@@ -752,12 +765,12 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_resident(CLN_FWD_PARAMS) {
     for (int k = 0; k < early && k < NPT; ++k) copy(row + gridDim.x, k, p.slot(NPT + k));
     async_commit();
     C n = C(0), mean = C(0), m2 = C(0);
-    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, CL>(p, 0, tile, N, CL * chunk, phase,
+    chunk_stats<false, WARP, VEC, NPT, false, 0, CL>(ln, p, 0, tile, N, CL * chunk, phase,
                                                          inv_n, n, mean, m2);
-    const C mu = LN ? mean : C(0);
+    const C mu = ln ? mean : C(0);
     const C rstd = cl_rsqrt(m2 * inv_n + eps);
     if (blockIdx.y == 0 && threadIdx.x == 0) {
-      if (LN) mean_out[row] = (float)mu;
+      if (ln) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
 #pragma unroll
@@ -780,16 +793,17 @@ CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_resident(CLN_FWD_PARAMS) {
 // The statistics of row `row` from its G parts' (mean, centred sum of squares; RMSNorm's sum
 // of squares) in pr, count(i) elements in part i: every warp adds them in the same order (the
 // same bits in every block); block 0 stores them.
-template <bool LN, int WARP, typename C, typename F>
+template <int WARP, typename C, typename F>
 __device__ __forceinline__ void merge_parts(const C* __restrict__ pr, int G, F count, C inv_n,
                                             C eps, cl_i64 row, float* __restrict__ mean_out,
                                             float* __restrict__ rstd_out, C& mu, C& rstd) {
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   const int lane = threadIdx.x % WARP;
   C s[1] = {C(0)};
-  for (int i = lane; i < G; i += WARP) s[0] += LN ? count(i) * pr[2 * i] : pr[2 * i + 1];
+  for (int i = lane; i < G; i += WARP) s[0] += ln ? count(i) * pr[2 * i] : pr[2 * i + 1];
   warp_allreduce<WARP>(s);
-  mu = LN ? cl_mul(s[0], inv_n) : C(0);
-  if (LN) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
+  mu = ln ? cl_mul(s[0], inv_n) : C(0);
+  if (ln) {  // the centred sums moved to the row's mean (Chan's formula over all parts)
     C q[1] = {C(0)};
     for (int i = lane; i < G; i += WARP) {
       const C d = pr[2 * i] - mu;
@@ -800,7 +814,7 @@ __device__ __forceinline__ void merge_parts(const C* __restrict__ pr, int G, F c
   }
   rstd = cl_rsqrt(s[0] * inv_n + eps);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (LN) mean_out[row] = (float)mu;
+    if (ln) mean_out[row] = (float)mu;
     rstd_out[row] = (float)rstd;
   }
 }
@@ -811,7 +825,7 @@ __device__ __forceinline__ void merge_parts(const C* __restrict__ pr, int G, F c
 // from its parts and y of the part's elements, gamma and beta read per element. ADD (rr, hr:
 // the row's residual and h, which start as x's within 16 bytes): the first launch stores h =
 // x + residual, the second reads h back.
-template <bool APPLY, bool LN, int WARP, int VEC, int NPT, bool ADD, typename T, typename W,
+template <bool APPLY, int WARP, int VEC, int NPT, bool ADD, typename T, typename W,
           typename C>
 __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
                                              const W* __restrict__ gamma,
@@ -820,6 +834,7 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
                                              float* __restrict__ mean_out,
                                              float* __restrict__ rstd_out,
                                              const T* __restrict__ rr, T* __restrict__ hr) {
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   const int t = threadIdx.x, G = gridDim.x;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
   const int head = peel_head(xr);
@@ -842,7 +857,7 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
   if constexpr (!APPLY) {
     const C cnt = count(blockIdx.x);
     C n = C(0), mean = C(0), m2 = C(0);
-    chunk_stats<false, LN, WARP, VEC, NPT, false, 0, 1, true>(
+    chunk_stats<false, WARP, VEC, NPT, false, 0, 1, true>(ln, 
         p, t0, t0, mid, chunk, 0, cnt > C(0) ? C(1) / cnt : C(0), n, mean, m2, ex, has_e);
     if (t == 0) {
       pr[2 * blockIdx.x] = mean;
@@ -851,7 +866,7 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
     return;
   }
   C mu, rstd;
-  merge_parts<LN, WARP>(pr, G, count, cl_inv_count(C(0), N), eps, row, mean_out, rstd_out, mu,
+  merge_parts<WARP>(pr, G, count, cl_inv_count(C(0), N), eps, row, mean_out, rstd_out, mu,
                         rstd);
   write_peeled<VEC, NPT>(p, t0, mid, head, ex, ec, has_e, mu, rstd, gamma, beta, yr);
 }
@@ -865,12 +880,13 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
 // add, h = x + res stored by the first launch (rows of N) and read back by the second. PEEL:
 // rows peeled as norm_fwd_peeled's, the parts over the middle's 16-byte vectors (a part may have
 // none), part 0's first 2 * VEC threads also taking the head and tail, one element each.
-template <bool APPLY, typename T, typename W, bool LN, int VEC, int WARP, typename H = T,
+template <bool APPLY, typename T, typename W, int VEC, int WARP, typename H = T,
           bool ADD = false, bool PEEL = false>
 __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part,
                                           const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                           H* __restrict__ hout = nullptr) {
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   constexpr int NPT = 4;
   static_assert(!PEEL || (VEC * sizeof(T) == 16 && (!ADD || sizeof(H) == sizeof(T))),
                 "peeled: 16-byte vectors, h in x's dtype");
@@ -881,7 +897,7 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
         (cl_i64)G * chunk < N / VEC * VEC || blockDim.x < 2 * VEC)
       cl_trap();
     const cl_i64 row = blockIdx.y;
-    peeled_parts<APPLY, LN, WARP, VEC, NPT, ADD>(
+    peeled_parts<APPLY, WARP, VEC, NPT, ADD>(
         x + row * ldx, gamma, beta, y + row * N, part + row * G * 2, N, eps, row, mean_out,
         rstd_out, ADD ? (const T*)res + row * ldr : nullptr, ADD ? (T*)hout + row * N : nullptr);
     return;
@@ -902,7 +918,7 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
   const C inv_n = cl_inv_count(C(0), N);
   if constexpr (!APPLY) {
     C n = C(0), mean = C(0), m2 = C(0);
-    chunk_stats<true, LN, WARP, VEC, NPT, false, 0, 1>(p, t0, t0, N, chunk, 0, inv_n, n, mean,
+    chunk_stats<true, WARP, VEC, NPT, false, 0, 1>(ln, p, t0, t0, N, chunk, 0, inv_n, n, mean,
                                                        m2);
     if (threadIdx.x == 0) {
       pr[2 * blockIdx.x] = mean;
@@ -914,24 +930,24 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
       return (C)(left < chunk ? left : chunk);
     };
     C mu, rstd;
-    merge_parts<LN, WARP>(pr, G, count, inv_n, eps, row, mean_out, rstd_out, mu, rstd);
+    merge_parts<WARP>(pr, G, count, inv_n, eps, row, mean_out, rstd_out, mu, rstd);
     typename Held<W, VEC>::type hg[NPT], hb[NPT];
     write_chunk<false, VEC, NPT, false>(p, (int)t0, (int)N, mu, rstd, gamma, beta, y + row * N,
                                         hg, hb);
   }
 }
 
-template <typename T, typename W, bool LN, int VEC, int WARP, bool APPLY, bool PEEL = false>
+template <typename T, typename W, int VEC, int WARP, bool APPLY, bool PEEL = false>
 __global__ void __launch_bounds__(1024)
 norm_fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type* __restrict__ part) {
-  fwd_parts<APPLY, T, W, LN, VEC, WARP, T, false, PEEL>(CLN_FWD_ARGS, part);
+  fwd_parts<APPLY, T, W, VEC, WARP, T, false, PEEL>(CLN_FWD_ARGS, part);
 }
 
-template <typename T, typename W, typename H, bool LN, int VEC, int WARP, bool APPLY,
+template <typename T, typename W, typename H, int VEC, int WARP, bool APPLY,
           bool PEEL = false>
 __global__ void __launch_bounds__(1024)
 norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part) {
-  fwd_parts<APPLY, T, W, LN, VEC, WARP, H, true, PEEL>(CLN_FWD_ARGS, part, res, ldr, hout);
+  fwd_parts<APPLY, T, W, VEC, WARP, H, true, PEEL>(CLN_FWD_ARGS, part, res, ldr, hout);
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
@@ -945,9 +961,10 @@ norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part)
 // blockDim.y threads (one row per block where TPR is more than a warp) in a grid of exactly
 // ceil(M / blockDim.y) blocks. y's offsets are 32-bit: the planner takes this kernel only where
 // M * N < 2^31.
-template <typename T, typename W, bool LN, int VEC, int WARP, int TPR, bool FULL, int NPT = 1>
+template <typename T, typename W, int VEC, int WARP, int TPR, bool FULL, int NPT = 1>
 __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_PARAMS) {
   typedef typename Acc<T>::type C;
+  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
   constexpr bool MANY = TPR <= WARP;  // rows stacked in blockDim.y, the last block partly past M
   const unsigned int row = MANY ? blockIdx.x * blockDim.y + threadIdx.y : blockIdx.x;
   const bool valid = !MANY || row < M;
@@ -965,13 +982,13 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
   for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
   const C inv_n = cl_inv_count(C(0), N);
   C n = C(0), mean = C(0), m2 = C(0);
-  chunk_stats<false, LN, WARP, VEC, NPT, FULL, TPR, 1>(p, 0, 0, N, (cl_i64)TPR * NPT * VEC, 0,
+  chunk_stats<false, WARP, VEC, NPT, FULL, TPR, 1>(ln, p, 0, 0, N, (cl_i64)TPR * NPT * VEC, 0,
                                                        inv_n, n, mean, m2);
-  const C mu = LN ? mean : C(0);
+  const C mu = ln ? mean : C(0);
   const C rstd = cl_rsqrt(m2 * inv_n + eps);
   if (!valid) return;  // after the row's reductions, which take every thread of the block
   if (threadIdx.x == 0) {
-    if (LN) mean_out[row] = (float)mu;
+    if (ln) mean_out[row] = (float)mu;
     rstd_out[row] = (float)rstd;
   }
   // one code path for the output: faster than the four cases
