@@ -24,9 +24,10 @@ from cupyln.bench import copy_bandwidth, device_us, dtype_of, make_inputs, parse
 
 SHAPES = ["layernorm:16384:8192:bfloat16", "layernorm:4096:16384:float16",
           "layernorm:4096:32768:float16", "layernorm:131072:4096:bfloat16"]
-# The forward's two row reductions (cupyln/kernels/norm_fwd.cu, chunk_stats), each with its barrier
-# (or its cluster exchange).
-REDUCTIONS = ("tile_allreduce<CL, WARP, TPR>(s, LN ? 2 * phase : phase);",
+# The forward's row reductions (cupyln/kernels/norm_fwd.cu, chunk_stats: RMSNorm's one, LayerNorm's
+# two), each with its barrier (or its cluster exchange).
+REDUCTIONS = ("tile_allreduce<CL, WARP, TPR>(s, phase);",
+              "tile_allreduce<CL, WARP, TPR>(s, 2 * phase);",
               "tile_allreduce<CL, WARP, TPR>(q, 2 * phase + 1);")
 
 
