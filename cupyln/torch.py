@@ -678,9 +678,26 @@ def _call(op, eager, *args):
     return (out[0], out[-1]) if op in (_add_ln_fwd, _add_rms_fwd) else out[0]
 
 
+_OFFSET_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+               torch.float32: torch.float32, torch.float64: torch.float64}
+
+
+def _with_offset(x, weight, weight_offset):
+    """(weight + weight_offset, 0.0) in the kernels' accumulation dtype, by torch ops: autograd
+    carries dgamma back to weight's dtype, torch.compile fuses the add, and the C++ layer keeps
+    its recipes (a call with an offset has none). The same values as the array API's offset.
+    Inputs the kernels do not take are left as they are, for the checks to name."""
+    acc = _OFFSET_ACC.get(getattr(x, "dtype", None))
+    if not weight_offset or acc is None or not isinstance(weight, Tensor) \
+            or weight.dtype not in _OFFSET_ACC:
+        return weight, weight_offset
+    return weight.to(acc) + weight_offset, 0.0
+
+
 def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
     """y of LayerNorm (``is_ln``) or RMSNorm: the C++ layer's where it takes the call, else the
     Python layer's (``eps`` None: x's machine epsilon)."""
+    weight, weight_offset = _with_offset(x, weight, weight_offset)
     if _native_takes(x, weight, bias):
         y = _NATIVE.norm(x, weight, bias, shape, _eps(eps, x), is_ln, weight_offset,
                          deterministic)
@@ -697,6 +714,7 @@ def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
 def _add_norm(x, residual, weight, bias, shape, eps, is_ln, weight_offset, residual_dtype,
               deterministic):
     """(y, h) of the fused residual add, as :func:`_norm`."""
+    weight, weight_offset = _with_offset(x, weight, weight_offset)
     if _native_takes(x, residual, weight, bias):
         out = _NATIVE.add_norm(x, residual, weight, bias, shape, _eps(eps, x), is_ln,
                                weight_offset, residual_dtype, deterministic)

@@ -112,6 +112,36 @@ def test_known_signatures_stay_in_cpp(native):
 
 
 @gpu
+def test_a_weight_offset_stays_in_cpp(native):
+    """Gemma's (1 + weight): after the first call of a signature, no call reaches the Python
+    layer, and y and the gradients are the float32 formula's, dweight in the weight's dtype."""
+    calls = []
+    native.set_python(lambda *a: calls.append("fwd") or ct._native_forward(*a),
+                      lambda *a: calls.append("bwd") or ct._native_backward(*a))
+    try:
+        m = ct.RMSNorm(256, weight_offset=1.0).cuda().bfloat16()
+        with torch.no_grad():
+            m.weight.normal_(0, 0.1)
+        x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for _ in range(3):
+            x.grad = m.weight.grad = None
+            y = m(x)
+            y.backward(dy)
+        assert calls == ["fwd", "bwd"]
+    finally:
+        native.set_python(ct._native_forward, ct._native_backward)
+    xr, wr = x.detach().float().requires_grad_(), m.weight.detach().requires_grad_()
+    eps = torch.finfo(torch.bfloat16).eps if m.eps is None else m.eps
+    want = torch.nn.functional.rms_norm(xr, (256,), 1 + wr.float(), eps)
+    want.backward(dy.float())
+    assert torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2)
+    assert m.weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(x.grad.float(), xr.grad, rtol=2e-2, atol=2e-2)
+    assert torch.allclose(m.weight.grad.float(), wr.grad.float(), rtol=2e-2, atol=5e-2)
+
+
+@gpu
 def test_pointers_that_do_not_suit_the_recipe_go_to_the_python_layer(native):
     """x one element past an aligned start: the recipe's vectors do not fit, the Python layer
     runs the call (its narrower plan), and the answer is right."""
