@@ -117,14 +117,13 @@ def colsum_bytes(g, rpb, vec, dtype):
 
 
 def row_kernel_widths(cfg: FwdRows, warp, npt=1):
-    """The row threads norm_fwd_row is built for at ``npt`` vectors per thread: for one, powers
-    of two below a warp (rows stacked, ``row_short``) and 1 to ``row_warps`` whole warps; for
-    the general path's ``npt``, 2 to ``row_npt_warps`` whole warps within those."""
+    """The row threads norm_fwd_row is built for at ``npt`` vectors per thread: for one, 1 to
+    ``row_warps`` whole warps; for the general path's ``npt``, 2 to ``row_npt_warps`` whole
+    warps within those. (Rows within a warp, stacked, gained nothing measurable: NOTES.)"""
     if npt > 1:
         top = min(cfg.row_warps, cfg.row_npt_warps) if npt == cfg.npt else 0
         return [w * warp for w in range(2, top + 1)]
-    short = [1 << i for i in range(warp.bit_length() - 1)] if cfg.row_short else []
-    return short + [w * warp for w in range(1, cfg.row_warps + 1)]
+    return [w * warp for w in range(1, cfg.row_warps + 1)]
 
 
 def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
@@ -172,9 +171,9 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
                 yield s._replace(npt=n, peeled=True, hdtype=h), "fwd"
             yield s._replace(npt=cfg.npt, peeled=True, hdtype=h), "fwd_long"
     if add:  # y in float8: the widths the fused add runs at, rows of one chunk
-        for n, h in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
-                                      (None, *h_dtypes(s.dtype))):
-            yield s._replace(npt=n, hdtype=h, quant=True), "fwd"
+        for n, h, ln in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
+                                          (None, *h_dtypes(s.dtype)), (True, False)):
+            yield s._replace(npt=n, hdtype=h, quant=True, ln=ln), "fwd"
 
 
 def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
@@ -183,12 +182,14 @@ def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
     residuals = (False, True) if add else (False,)  # and the fused add's
     if s.wide and clusters and cfg.resident_npt and cfg.cluster_tiles_long > 1:
         for res in residuals:
-            yield s._replace(npt=cfg.resident_npt, tiles=cfg.cluster_tiles_long,
-                             resident=True, residual=res), "bwd_long"
+            for ln in (True, False):  # its norm fixed (Spec.ln)
+                yield s._replace(npt=cfg.resident_npt, tiles=cfg.cluster_tiles_long,
+                                 resident=True, residual=res, ln=ln), "bwd_long"
     if s.wide and not s.hip and cfg.grid_vecs and s.dtype != FLOAT64:
-        for step, res in itertools.product({1, cfg.grid_step_rows}, residuals):
-            yield s._replace(npt=cfg.grid_npt, residual=res, grid=_grid_args(cfg, step)), \
-                "bwd_long"
+        for step, res, ln in itertools.product({1, cfg.grid_step_rows}, residuals,
+                                               (True, False)):
+            yield s._replace(npt=cfg.grid_npt, residual=res, grid=_grid_args(cfg, step),
+                             ln=ln), "bwd_long"
     npts = [n for n in range(cfg.npt_min, max(cfg.npt, cfg.tile_npt, cfg.cluster_npt) + 1)
             if not n & (n - 1)]
     if s.wide:  # narrower rows peeled (and the fused add's)
@@ -385,7 +386,7 @@ def _takes_row_kernel(cfg, info, g, dtype, M, N, vec):
     ok = (g.fits and vec * dtype.itemsize == 16 and M * N < 2**31
           and g.tpr in row_kernel_widths(cfg, wp, g.npt)
           and cdiv(M, rg.rpb) <= info.sms * cfg.grid_per_sm
-          and (g.npt > 1 or g.rpb == 1 or (cfg.row_short and g.tpr <= wp)))
+          and (g.npt > 1 or g.rpb == 1))
     return rg if ok else None
 
 
@@ -520,7 +521,7 @@ def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
             f"got {N}")
     grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
     spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
-                quant=True)
+                quant=True, ln=is_ln)
     kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
     launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_Q_ARGS, dtype))}
     return Plan(spec, "fwd_q", kern, grid, block, 0, launch)
@@ -559,8 +560,9 @@ def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
         staged = _staged(config.stage, info, kerns["fwd_staged"], dtype, vec, g, M, alone)
         if staged:
             main, (smem, grid) = "fwd_staged", staged
-    if main == "fwd" and "fwd_early" in kerns and cfg.early:
-        main = "fwd_early"
+    early = "fwd_early_ln" if is_ln else "fwd_early_rms"  # their norm fixed
+    if main == "fwd" and early in kerns and cfg.early:
+        main = early
     if is_ln and cfg.full and main + "_full" in kerns and N % (g.tpr * g.npt * vec) == 0:
         main += "_full"
     launch = {"fwd": Launch(kerns[main], grid, block, smem, _kinds(_FWD_ARGS, dtype))}
@@ -951,7 +953,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
         return None
     tpr = round_up(cdiv(N // vec, tiles * npt), info.warp)
     spec = Spec(dtype, wdtype, vec, npt, info.warp, tiles, resident=True,
-                residual=residual)
+                residual=residual, ln=is_ln)
     kerns = info.kernels(spec, "bwd_long", config.source)
     smem = staging_bytes(info, dtype, vec, npt, tpr, 1, wdtype)  # bwd_rows' staged layout
     fit = info.active_clusters(kerns["bwd_resident"], (1, tiles), (tpr, 1), smem)
@@ -1006,7 +1008,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     # fewer rows a row of tiles than grid_step_min_rows go one at a time
     step = cfg.grid_step_rows if cdiv(M, most) >= cfg.grid_step_min_rows else 1
     spec = Spec(dtype, wdtype, vec, cfg.grid_npt, info.warp, residual=residual,
-                grid=_grid_args(cfg, step))
+                grid=_grid_args(cfg, step), ln=is_ln)
     kerns = info.kernels(spec, "bwd_long", config.source)
     groups = rows_of_tiles(info.resident_blocks(kerns["bwd_grid"], tpr, smem))
     if not groups:

@@ -30,9 +30,16 @@ class Spec(NamedTuple):
     resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
     grid: tuple[int, ...] = ()  # rows over a cooperative grid: (buffers, lag, rows a step) (alone)
     quant: bool = False  # forward: y in float8 (its kernel alone; hdtype: with the fused add)
+    ln: bool | None = None  # LayerNorm or RMSNorm, for the kernels that fix it (kernels' is_ln)
 
     def _types(self):
         return CTYPES[self.dtype], CTYPES[self.wdtype]
+
+    def _norm(self):
+        """The norm of the kernels that fix it (cln::either_norm elsewhere, never named)."""
+        if self.ln is None:
+            raise ValueError(f"{self}: this kernel's norm is fixed, and the spec names none")
+        return "cln::layernorm" if self.ln else "cln::rmsnorm"
 
     def _args(self):
         return f"{', '.join(self._types())}, {self.vec}, {self.npt}, {self.warp}"
@@ -85,7 +92,7 @@ class Spec(NamedTuple):
             t, w = self._types()
             h, add = (t, "no_add") if self.hdtype is None else (CTYPES[self.hdtype],
                                                                "residual_add")
-            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {self.vec}, {self.npt}, "
+            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {self._norm()}, {self.vec}, {self.npt}, "
                              f"{self.warp}, cln::{add}>"}
         if self.peeled:
             return self._fwd_peeled_names()
@@ -177,15 +184,16 @@ class Spec(NamedTuple):
         if self.stages:
             names["fwd_staged"] = f"norm_fwd<{self._args()}, cln::staged, cln::params_late, " \
                                   "cln::cols_tested>"
-        # gamma/beta loaded with the row: 4-byte and wider types only (2-byte ones spill)
-        early = self.npt > 1 and self.dtype.itemsize >= 4 and self.wide
-        if early:
-            names["fwd_early"] = f"{fwd}, cln::params_early, cln::cols_tested>"
         # rows that are a whole number of chunks: no column tests
         if self.wide:
             names["fwd_full"] = f"{fwd}, cln::params_late, cln::cols_full>"
-            if early:
-                names["fwd_early_full"] = f"{fwd}, cln::params_early, cln::cols_full>"
+        # gamma/beta loaded with the row: 4-byte and wider types only (2-byte ones spill), the
+        # norm fixed (fwd_early_ln, fwd_early_rms; LayerNorm's also without column tests)
+        if self.npt > 1 and self.dtype.itemsize >= 4 and self.wide:
+            for norm, op in (("ln", "cln::layernorm"), ("rms", "cln::rmsnorm")):
+                names[f"fwd_early_{norm}"] = f"{fwd}, cln::params_early, cln::cols_tested, {op}>"
+            names["fwd_early_ln_full"] = f"{fwd}, cln::params_early, cln::cols_full, " \
+                                         "cln::layernorm>"
         return names
 
     def _sums(self):
@@ -204,13 +212,15 @@ class Spec(NamedTuple):
         return f"{t}, {w}, {self.npt}, {self.warp}"
 
     def _bwd_long_row_names(self):
-        """Long rows split over a cooperative grid, or held in a cluster's shared memory."""
+        """Long rows split over a cooperative grid, or held in a cluster's shared memory (their
+        norm fixed)."""
         add = ", cln::dresidual" if self.residual else ""  # the fused add's (ADD)
+        t, w = self._types()
+        head = f"{t}, {w}, {self._norm()}, {self.npt}, {self.warp}"
         if self.grid:
             grid = ", ".join(map(str, self.grid))
-            return {"bwd_grid": f"norm_bwd_grid<{self._bwd_head()}, {grid}{add}>",
-                    **self._sums()}
-        resident = f"norm_bwd_resident<{self._bwd_head()}, {self.tiles}"
+            return {"bwd_grid": f"norm_bwd_grid<{head}, {grid}{add}>", **self._sums()}
+        resident = f"norm_bwd_resident<{head}, {self.tiles}"
         names = {"bwd_resident": f"{resident}{add}>", **self._sums()}
         if self.residual:  # dresidual staged in shared memory, where a block has the room
             names["bwd_resident_staged"] = f"{resident}, cln::dresidual_staged>"

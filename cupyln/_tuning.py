@@ -31,7 +31,6 @@ SM90_FWD = {
     "early": (True, "4-byte gamma/beta loaded with the row; 2-byte packs held that long spill"),
     "full": (True, "LN rows of whole chunks skip the column tests; RMSNorm gains nothing"),
     "row_warps": (8, "rows of one chunk in up to this many warps take the fixed-width row kernel"),
-    "row_short": (True, "the row kernel also for rows within a warp, stacked"),
     "row_npt_warps": (4, "the row kernel at several vectors per thread up to this many warps"),
     "cluster_tiles": (8, "rows past one block split over this many cluster blocks: read once"),
     "cluster_tiles_long": (16, "RMS rows past 8 blocks over 16 (non-portable; 0: off)"),

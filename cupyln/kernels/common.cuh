@@ -13,6 +13,7 @@ typedef long long cl_i64;
 // Named template arguments: the host's name expressions (cupyln/_compile.py, Spec.names) spell
 // a kernel's variant with these, so that a name says what the kernel is.
 namespace cln {
+constexpr int rmsnorm = 0, layernorm = 1, either_norm = 2;  // a kernel's norm (see is_ln)
 constexpr bool staged = true, direct = false;           // rows copied ahead into shared memory
 constexpr bool params_early = true, params_late = false;  // gamma/beta loaded with the row
 constexpr bool cols_full = true, cols_tested = false;   // every vector lies in the row
@@ -35,6 +36,16 @@ __device__ __forceinline__ void cl_trap() {
 #else
   __trap();
 #endif
+}
+
+// Whether a kernel computes LayerNorm (else RMSNorm). Most kernels hold both (NORM =
+// cln::either_norm): the host gives LayerNorm's mean (its output in the forward, the saved one in
+// the backward) and no mean for RMSNorm, and the choice, uniform over the launch, is a branch.
+// The kernels where that branch cost time (registers spilled, a compute-bound chain grew) fix the
+// norm at compile time, and the host launches them with the mean exactly for LayerNorm. (A trap
+// on a mismatch made ptxas spill in the float8 kernel.)
+template <int NORM> __device__ __forceinline__ bool is_ln(const void* mean) {
+  return NORM == cln::either_norm ? mean != nullptr : NORM == cln::layernorm;
 }
 
 // 16-bit storage types: plain bits, converted explicitly so that the same source needs neither

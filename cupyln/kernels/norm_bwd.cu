@@ -1,5 +1,6 @@
-// Backward pass of LayerNorm and RMSNorm, one kernel for both: LayerNorm where the host gives the
-// saved mean (`ln`, mean not null), RMSNorm where it gives none (as the forward's).
+// Backward pass of LayerNorm and RMSNorm, one kernel for both (common.cuh's is_ln: LayerNorm where
+// the host gives the saved mean, `ln`), but the long rows' kernels in shared memory
+// (norm_bwd_resident, norm_bwd_grid), whose norm is fixed: held together they spilled.
 //
 //   xhat = (x - mean) * rstd  (RMSNorm: x * rstd),  g = dy * gamma
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dres   (RMSNorm: no mean(g) term;
@@ -186,7 +187,7 @@ template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, int CL
 __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   static_assert(XC == 1 || (CL == 1 && !STAGE && !LAST), "cluster sums: direct rows only");
   typedef typename Acc<T>::type C;
-  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean);
   typedef Pack<T, VEC> P;
   // one cluster per row (the config's cluster_tiles), a row of whole warps per block (the
   // exchange's slots: CL times the launch bound's warps)
@@ -413,7 +414,7 @@ template <typename T, typename W, int NPT, int WARP, bool TILES = false,
           bool ADD = false>
 __global__ void __launch_bounds__(bwd_max_threads(NPT)) norm_bwd_peeled(CLN_BWD_PARAMS) {
   typedef typename Acc<T>::type C;
-  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean);
   constexpr int VEC = 16 / (int)sizeof(T);
   const int t = threadIdx.x;
   const C inv_n = cl_inv_count(C(0), N);
@@ -648,12 +649,12 @@ __device__ __forceinline__ void smem_row_dx(bool ln, const SmemRow<Pack<T, VEC>>
 // read from there. The flush is bwd_rows' (partials, atomics, or one row of blocks). Staged is
 // known at compile time: decided at run time it spilled 8 bytes more, a flag whose reload
 // queued behind the copies.
-template <typename T, typename W, int NPT, int WARP, int CL, int ADD = 0>
+template <typename T, typename W, int NORM, int NPT, int WARP, int CL, int ADD = 0>
 __global__ void __launch_bounds__(1024) CLN_CLUSTER_DIMS(1, CL, 1)
 norm_bwd_resident(CLN_BWD_PARAMS) {
 #if CLN_CLUSTERS && CLN_ASYNC_COPY
   typedef typename Acc<T>::type C;
-  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<NORM>(mean);
   const bool one_at_a_time = ln && sizeof(T) == 2;  // see smem_row_vec
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
@@ -788,7 +789,7 @@ norm_bwd_resident(CLN_BWD_PARAMS) {
 // the wait for the slowest tile overlaps LAG steps' work and NB / R - LAG steps stay in flight.
 // ADD: the fused residual add's dres, staged with x and dy, added to dx. The flush is bwd_rows'
 // (partials, atomics, or one row of blocks).
-template <typename T, typename W, int NPT, int WARP, int NB, int LAG, int R,
+template <typename T, typename W, int NORM, int NPT, int WARP, int NB, int LAG, int R,
           bool ADD = false>
 __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
 #if CLN_ASYNC_COPY
@@ -801,7 +802,7 @@ __global__ void __launch_bounds__(512) norm_bwd_grid(CLN_BWD_PARAMS) {
   typedef typename Held<W, VEC>::type G;
   constexpr int ROWS_IN = ADD ? 3 : 2;  // the staged arrays of a row: x, dy (and dres)
   if (tickets == nullptr || blockDim.y != 1) cl_trap();
-  const bool ln = mean != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<NORM>(mean);
   const GridRowSums<2 * R, WARP, 2 * LAG + 2> sums(tickets);
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int t = threadIdx.x, threads = blockDim.x;

@@ -1,6 +1,6 @@
-// Forward pass of LayerNorm and RMSNorm, one kernel for both: LayerNorm where the host gives the
-// mean's output (`ln`, mean_out not null), RMSNorm where it gives none. The choice is uniform over
-// the launch, so each row runs its norm's own code: a branch, not a second specialization.
+// Forward pass of LayerNorm and RMSNorm, one kernel for both (common.cuh's is_ln: LayerNorm where
+// the host gives the mean's output, `ln`), but y in float8 (norm_fwd_q) and rows with early
+// parameters, whose norm is fixed.
 //
 // Geometry (decided by cupyln/_plan.py alone): blockDim = (tpr, rows per block). A row is held
 // in registers as chunks of tpr * NPT * VEC elements; thread t owns vectors k * tpr + t of a
@@ -238,7 +238,7 @@ template <typename T, bool QUANT> struct YOut { typedef T type; };
 template <typename T> struct YOut<T, true> { typedef unsigned char type; };
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, int VEC,
           int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false, int CL = 1,
-          bool QUANT = false>
+          bool QUANT = false, int NORM = cln::either_norm>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
                                          typename YOut<T, QUANT>::type* __restrict__ y,
@@ -254,7 +254,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   static_assert(CL == 1 || !EARLY_PARAMS, "clusters: parameters late");
   static_assert(!QUANT || (!CHUNKED && CL == 1 && !FULL), "float8 y: rows of one chunk");
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<NORM>(mean_out);
   if constexpr (CL > 1) cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;  // one block's part of a chunk
   const cl_i64 span = CL * chunk;
@@ -355,10 +355,12 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       cl_i64 N, typename Acc<T>::type eps
 #define CLN_FWD_ARGS x, ldx, gamma, beta, y, mean_out, rstd_out, M, N, eps
 
+// NORM: fixed for early parameters (the host's rule; a single row's latency grew with the branch).
 template <typename T, typename W, int VEC, int NPT, int WARP, bool STAGE, bool EARLY,
-          bool FULL>
+          bool FULL, int NORM = cln::either_norm>
 __global__ void __launch_bounds__(1024) norm_fwd(CLN_FWD_PARAMS) {
-  fwd_rows<false, STAGE, EARLY, T, W, VEC, NPT, WARP, FULL>(CLN_FWD_ARGS);
+  fwd_rows<false, STAGE, EARLY, T, W, VEC, NPT, WARP, FULL, T, false, 1, false, NORM>(
+      CLN_FWD_ARGS);
 }
 
 // Rows longer than one chunk: 4 vectors per thread (the planner's choice for long rows).
@@ -431,7 +433,7 @@ __device__ __forceinline__ void fwd_peeled_rows(CLN_FWD_PARAMS, const T* __restr
   static_assert(!EARLY || NPT == 1, "early parameters: one vector per thread");
   static_assert(!(ADD && STAGE), "the fused add: rows never staged");
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   constexpr int VEC = 16 / (int)sizeof(T);
   const C inv_n = cl_inv_count(C(0), N);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
@@ -553,7 +555,7 @@ template <typename T, typename W, int WARP, bool ADD>
 __device__ __forceinline__ void fwd_peeled_chunks(CLN_FWD_PARAMS, const T* __restrict__ res,
                                                   cl_i64 ldr, T* __restrict__ hout) {
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   constexpr int VEC = 16 / (int)sizeof(T), NPT = 4;
   const int t = threadIdx.x;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC;
@@ -622,7 +624,7 @@ __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_peeled_cluster(CLN_FWD_PARAMS) {
 #if CLN_CLUSTERS
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   constexpr int VEC = 16 / (int)sizeof(T);
   cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
   const int t = threadIdx.x;
@@ -676,9 +678,9 @@ __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
       cl_i64 M, cl_i64 N, typename Acc<T>::type eps, const H *__restrict__ res, cl_i64 ldr,     \
       H *__restrict__ hout, float *__restrict__ qscale, const float *__restrict__ yscale,       \
       float *__restrict__ qamax, cl_i64 qflags
-template <typename T, typename W, typename H, int VEC, int NPT, int WARP, bool ADD>
+template <typename T, typename W, typename H, int NORM, int VEC, int NPT, int WARP, bool ADD>
 __global__ void __launch_bounds__(VEC == 1 ? 1024 : 512) norm_fwd_q(CLN_FWD_Q_PARAMS) {
-  fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, ADD, 1, true>(
+  fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, ADD, 1, true, NORM>(
       CLN_FWD_ARGS, res, ldr, hout, qscale, yscale, qamax, (int)qflags);
 }
 
@@ -736,7 +738,7 @@ __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_resident(CLN_FWD_PARAMS) {
 #if CLN_CLUSTERS && CLN_ASYNC_COPY
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   constexpr int VEC = 16 / (int)sizeof(T);
   typedef Pack<T, VEC> P;
   cluster_rows_init<CL, WARP, cluster_slots<CL, WARP, 1024>(), 1, C>();
@@ -797,7 +799,7 @@ template <int WARP, typename C, typename F>
 __device__ __forceinline__ void merge_parts(const C* __restrict__ pr, int G, F count, C inv_n,
                                             C eps, cl_i64 row, float* __restrict__ mean_out,
                                             float* __restrict__ rstd_out, C& mu, C& rstd) {
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   const int lane = threadIdx.x % WARP;
   C s[1] = {C(0)};
   for (int i = lane; i < G; i += WARP) s[0] += ln ? count(i) * pr[2 * i] : pr[2 * i + 1];
@@ -834,7 +836,7 @@ __device__ __forceinline__ void peeled_parts(const T* __restrict__ xr,
                                              float* __restrict__ mean_out,
                                              float* __restrict__ rstd_out,
                                              const T* __restrict__ rr, T* __restrict__ hr) {
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   const int t = threadIdx.x, G = gridDim.x;
   const cl_i64 chunk = (cl_i64)blockDim.x * NPT * VEC, t0 = (cl_i64)blockIdx.x * chunk;
   const int head = peel_head(xr);
@@ -886,7 +888,7 @@ __device__ __forceinline__ void fwd_parts(CLN_FWD_PARAMS, typename Acc<T>::type*
                                           const H* __restrict__ res = nullptr, cl_i64 ldr = 0,
                                           H* __restrict__ hout = nullptr) {
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   constexpr int NPT = 4;
   static_assert(!PEEL || (VEC * sizeof(T) == 16 && (!ADD || sizeof(H) == sizeof(T))),
                 "peeled: 16-byte vectors, h in x's dtype");
@@ -951,9 +953,9 @@ norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part)
 }
 
 // Rows of one chunk in 16-byte vectors, NPT per thread (the planner's choice: one vector for
-// small M in at most fwd.row_warps whole warps, one row per block, or for rows of at most a
-// warp, blockDim.y of them per block, whatever M; fwd.npt vectors for rows of 2 to
-// fwd.row_npt_warps whole warps, one row per block, whatever M): the row's threads fixed at
+// small M in at most fwd.row_warps whole warps; fwd.npt vectors for rows of 2 to
+// fwd.row_npt_warps whole warps, whatever M; one row per block; rows of at most a warp, stacked
+// blockDim.y a block, run too, but the planner no longer takes them): the row's threads fixed at
 // compile time, no row loop, and the loads of gamma, beta and x issued first, together. The
 // trap's branch after them ends the block of code they are in: without it ptxas scheduled
 // gamma's and beta's loads after the row's first reduction, next to their use, so their memory
@@ -964,7 +966,7 @@ norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part)
 template <typename T, typename W, int VEC, int WARP, int TPR, bool FULL, int NPT = 1>
 __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_PARAMS) {
   typedef typename Acc<T>::type C;
-  const bool ln = mean_out != nullptr;  // LayerNorm (see the top of the file)
+  const bool ln = is_ln<cln::either_norm>(mean_out);
   constexpr bool MANY = TPR <= WARP;  // rows stacked in blockDim.y, the last block partly past M
   const unsigned int row = MANY ? blockIdx.x * blockDim.y + threadIdx.y : blockIdx.x;
   const bool valid = !MANY || row < M;
