@@ -206,8 +206,9 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
   // choice: the two paths in one kernel (chosen by the launch's shared memory) made both slower
   // (131072x4096 bf16: 24% slower than staged; ptxas spilled in the loop).
   // Unstaged, gamma is held in registers across rows where ptxas still fits the kernel in 64
-  // registers without spilling (sm_90: one 16-byte vector per thread)
-  constexpr bool HOLD_GAMMA = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16;
+  // registers without spilling (sm_90: one 16-byte vector per thread), for LayerNorm: RMSNorm's
+  // small backwards lost 3-4% so
+  const bool hold_gamma = !STAGED && NPT == 1 && sizeof(W) * VEC <= 16 && ln;
   // ADD's dres: staged with x and dy at two or more vectors per thread, loaded with them on
   // direct rows, and at the dx store on staged rows of one vector per thread (staged there, it
   // lost). The host's staging_bytes agrees.
@@ -245,7 +246,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
                          NPT * blockDim.x * sizeof(G));
     if (gamma) stage_packs<VEC, NPT, true>(gstage, gamma, c0, N, true);  // in row 0's group
   }
-  if (HOLD_GAMMA && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
+  if (hold_gamma && gamma) load_packs<VEC, NPT>(gamma, c0, N, true, gp);
   const cl_i64 step = (cl_i64)gridDim.x * blockDim.y;
   // The statistics of row `row` (zeros past M: xhat = 0 there, nothing accumulates).
   auto stats = [&](cl_i64 row, C& mu, C& rs) {
@@ -338,7 +339,7 @@ __device__ __forceinline__ void bwd_rows(CLN_BWD_PARAMS) {
       if constexpr (STAGED) {
 #pragma unroll
         for (int k = 0; k < NPT; ++k) gp[k] = gstage[k * blockDim.x + t];
-      } else if (!HOLD_GAMMA) {
+      } else if (!hold_gamma) {
         load_packs<VEC, NPT>(gamma, c0, N, true, gp);
       }
 #pragma unroll
