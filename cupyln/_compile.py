@@ -1,7 +1,8 @@
 """Kernel source -> ``cupy.RawModule``: one cached module per (device, specialization).
 
 A specialization (``cupyln._spec.Spec``) fixes the template arguments of one kernel family: the
-data type, the parameter type, LayerNorm or RMSNorm, the vector width, the vectors per thread,
+data type, the parameter type (LayerNorm or RMSNorm only where a kernel fixes it; the others
+take both, chosen by whether the host gives the mean), the vector width, the vectors per thread,
 the warp size, for the long-row backward the blocks of a thread-block cluster and, for the row
 kernel, the threads of a row. One module holds the kernels of one pass of a specialization (the
 forward kernels; the backward kernels of rows within a block with the partial reduction; or,
