@@ -280,7 +280,8 @@ class Spec(NamedTuple):
 
     def __str__(self):
         return (
-            f"norm[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
+            f"{'norm' if self.ln is None else 'layernorm' if self.ln else 'rmsnorm'}"
+            f"[x={self.dtype}, gamma={self.wdtype}, vec={self.vec}, npt={self.npt}, "
             f"warp={self.warp}" + (f", tiles={self.tiles}" if self.tiles > 1 else "")
             + (f", tpr={self.tpr}" if self.tpr else "") + (", row" if self.row else "")
             + (f", h={self.hdtype}" if self.hdtype is not None else "")
