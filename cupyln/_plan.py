@@ -444,7 +444,7 @@ def _plan_fwd_peeled_long(config, info, dtype, wdtype, is_ln, M, N, g, hdtype):
     ``_plan_fwd_peeled_cluster`` places one (not the fused add's), else in chunks."""
     cluster = None if hdtype is not None else \
         _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g)
-    return cluster or _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype)
+    return cluster or _plan_fwd_peeled_chunked(config, info, dtype, wdtype, M, hdtype)
 
 
 def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
@@ -469,7 +469,7 @@ def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     return Plan(spec, "fwd_peeled_cluster", kern, grid, block, 0, launch)
 
 
-def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, is_ln, M, hdtype=None):
+def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, M, hdtype=None):
     """Peeled rows past one block of 8 vectors per thread (or of more than ``npt`` where that
     block spills), in chunks read twice: one row per block of ``tpr_max`` threads, the blocks
     looping over the rows."""
@@ -536,17 +536,17 @@ def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):
         return peeled
     g = _fwd_row_geometry(cfg, info, M, N, vec)
     grid = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),)
-    resident = _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
+    resident = _plan_fwd_resident(config, info, dtype, wdtype, M, N, vec, hdtype, g)
     if resident is not None:
         return resident
     cluster = _plan_fwd_cluster(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g)
     if cluster is not None:
         return cluster
-    parts = _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype)
+    parts = _plan_fwd_parts(config, info, dtype, wdtype, M, N, vec, g, hdtype)
     if parts is not None:
         return parts
     if hdtype is not None:
-        return _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid)
+        return _plan_fwd_add(config, info, dtype, wdtype, vec, hdtype, g, grid)
     rg = _takes_row_kernel(cfg, info, g, dtype, M, N, vec)
     if rg is not None:
         g, grid = rg, (cdiv(M, rg.rpb),)
@@ -662,7 +662,7 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 
 
-def _plan_fwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, g):
+def _plan_fwd_resident(config, info, dtype, wdtype, M, N, vec, hdtype, g):
     """Rows longer than one chunk of the portable cluster's registers holds, in the shared
     memory of the fewest blocks of ``cluster_sizes`` whose ``resident_npt`` vectors per thread
     hold them (sm_90, 16-byte vectors, no fused add), at least ``resident_rows`` rows per
@@ -707,7 +707,7 @@ def parts_geometry(per_sm, npt, tpr_max, info, M, N, vec):
     return tpr, cdiv(nvec, npt * tpr)
 
 
-def _plan_fwd_parts(config, info, dtype, wdtype, is_ln, M, N, vec, g, hdtype=None):
+def _plan_fwd_parts(config, info, dtype, wdtype, M, N, vec, g, hdtype=None):
     """Rows longer than one block that no cluster takes (the planner asks for a cluster first),
     at most ``sms * parts_rows`` of them (the fused add's: ``parts_rows_add``), each split over
     blocks of the grid (two launches: the parts' statistics, with the fused add's h, then y);
@@ -735,7 +735,7 @@ def _parts_plan(config, info, spec, pass_, variant, M, N, args):
     return Plan(spec, variant, kerns["fwd_apply"], grid, block, 0, launch)
 
 
-def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
+def _plan_fwd_add(config, info, dtype, wdtype, vec, hdtype, g, grid):
     """The fused residual add's forward: the general geometry on direct rows (one chunk in
     registers, or chunks), none of the row kernel, staging or early parameters."""
     spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype)
@@ -746,7 +746,7 @@ def _plan_fwd_add(config, info, dtype, wdtype, is_ln, vec, hdtype, g, grid):
     return Plan(spec, main, kerns[main], grid, block, 0, launch)
 
 
-def _bwd_long_kernels(config, info, dtype, wdtype, is_ln, M, N, vec, residual):
+def _bwd_long_kernels(config, info, dtype, wdtype, M, N, vec, residual):
     """Rows longer than one block: (spec, kernels, block, tiles, cluster) of a cluster of
     column tiles where the row fits in them and the driver can place one (the fewest of
     ``cluster_sizes``; for at most ``cluster_split_rows`` rows, the most), else of
@@ -807,7 +807,7 @@ def _rowsums_launchers(info, cfg: BwdRows, kerns, M, N, spec):
     return {"rowsums": Launch(kerns["rowsums"], (rows,), block, 0, _ROWSUMS_ARGS)}
 
 
-def _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual=False):
+def _plan_bwd_peeled(config, info, dtype, wdtype, M, N, residual=False):
     """Rows peeled as the forward's: one row per block, of the backward geometry of their
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
     ``peel_rows`` rows; rows longer than one block on column tiles after their row sums (those
@@ -858,12 +858,12 @@ def plan_bwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, 
 def _bwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
     config = settings(config, family(info.hip, info.warp, info.clusters))
     cfg = config.bwd
-    peeled = _plan_bwd_peeled(config, info, dtype, wdtype, is_ln, M, N, residual) if peel \
+    peeled = _plan_bwd_peeled(config, info, dtype, wdtype, M, N, residual) if peel \
         else None
     if peeled is not None:
         return peeled
     g = bwd_geometry(cfg, N // vec, info.warp)
-    csum = _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual)
+    csum = _plan_csum(config, info, dtype, wdtype, M, N, vec, g, residual)
     if csum is not None:
         return csum
     fused = g.fits and cdiv(M, g.rpb) <= cfg.fused_reduce_blocks and N <= g.tpr * g.rpb
@@ -874,10 +874,10 @@ def _bwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, residual, peel):
             plan = rule(config, info, dtype, wdtype, is_ln, M, N, vec, residual)
             if plan is not None:
                 return plan
-    return _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g, fused)
+    return _plan_bwd_blocks(config, info, dtype, wdtype, M, N, vec, residual, g, fused)
 
 
-def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g, fused):
+def _plan_bwd_blocks(config, info, dtype, wdtype, M, N, vec, residual, g, fused):
     """Rows within a block (``g`` fits; ``fused``: few enough blocks that the last sums the
     partials) or on column tiles (in clusters, or after their row sums), on the blocks that
     run at once (each loops over rows), staged where they loop."""
@@ -889,8 +889,8 @@ def _plan_bwd_blocks(config, info, dtype, wdtype, is_ln, M, N, vec, residual, g,
         block, tiles, cluster = (g.tpr, g.rpb), 1, False
         colsum = colsum_bytes(g, g.rpb, vec, dtype)
     else:
-        spec, kerns, block, tiles, cluster = _bwd_long_kernels(config, info, dtype, wdtype,
-                                                               is_ln, M, N, vec, residual)
+        spec, kerns, block, tiles, cluster = _bwd_long_kernels(config, info, dtype, wdtype, M,
+                                                               N, vec, residual)
         colsum = 0
     grid_of = functools.partial(_resident_grid, info, M, block, tiles, cluster)
     main = "bwd_cluster" if cluster else "bwd"
@@ -1030,7 +1030,7 @@ def grid_sums_bytes(plan):
     return 16 + groups * (2 * lag + 2) * columns * 2 * rows * 8
 
 
-def _plan_csum(config, info, dtype, wdtype, is_ln, M, N, vec, g, residual):
+def _plan_csum(config, info, dtype, wdtype, M, N, vec, g, residual):
     """The plan of one cluster of ``csum_blocks`` blocks holding every row at once (the fused
     add's too), or None where the device has no clusters, the rows do not fit, or the driver
     cannot place it."""

@@ -253,9 +253,10 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
 def test_row_kernel(plans, op, M, N, dt, wdt, params):
     """16-byte vectors: the row kernel (norm_fwd_row) exactly where fwd.row_warps and
     row_npt_warps allow it: one vector per thread in one row per block of whole warps
-    (small M), or several in one row per block of 2-4 warps, the grid covering M. It matches the reference, with gamma and
-    beta given or not (``params``), and agrees bitwise with the general kernel on the same rows
-    (the same additions in the same order; beta added in the product's rounding in both)."""
+    (small M), or several in one row per block of 2-4 warps, the grid covering M. It matches
+    the reference, with gamma and beta given or not (``params``), and agrees bitwise with the
+    general kernel on the same rows (the same additions in the same order; beta added in the
+    product's rounding in both)."""
     x_h, dy_h, g_h, b_h = inputs(M, N, dt, wdt, has_g="g" in params, has_b="b" in params)
     x = cp.asarray(x_h)
     g, b = (None if a is None else cp.asarray(a) for a in (g_h, b_h))
