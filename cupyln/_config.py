@@ -22,7 +22,7 @@ class Config:
     stage: str = "auto"
     # Thread-block clusters (sm_90 on) for rows longer than one block; off: chunks read twice.
     cluster: bool = True
-    # Rows 16-byte vectors do not fit: heads and tails peeled off; off: narrower vectors.
+    # Rows 16-byte vectors do not fit: heads and tails peeled off; off: single elements.
     peel: bool = True
     # dgamma/dbeta of non-deterministic calls by float32 atomics instead of per-block partials.
     atomic_flush: bool = False

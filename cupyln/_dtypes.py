@@ -39,22 +39,18 @@ def kernel_param_dtype(x_dtype, w_dtype):
     return w_dtype if (x_dtype, w_dtype) in PARAM_PAIRS else x_dtype
 
 
+#: elements of a kernel's vector: 16 bytes, or one for float64, a checking dtype whose rows take
+#: the general kernels alone (no benchmark shape is float64)
+VEC = {FLOAT16: 8, BFLOAT16: 8, FLOAT32: 4, FLOAT64: 1}
+
+
 def vec_options(dtype):
-    """Vector widths (elements) for ``dtype``: 16 bytes down to one element."""
-    v, out = 16 // dtype.itemsize, []
-    while v >= 1:
-        out.append(v)
-        v //= 2
-    return out
+    """Vector widths (elements) the kernels are built for: ``VEC[dtype]``, and one element for
+    rows it does not divide (or not peeled)."""
+    return tuple(dict.fromkeys((VEC[dtype], 1)))
 
 
 def h_dtypes(x_dtype):
     """dtypes of the fused residual add's h for rows of ``x_dtype``: x's, or float32 for 16-bit
     rows (a residual stream kept in float32)."""
     return (x_dtype, FLOAT32) if x_dtype.itemsize == 2 else (x_dtype,)
-
-
-def add_vec(dtype, vec):
-    """The vector width the fused residual add runs at where ``vec`` would run otherwise: its
-    kernels are built for 16-byte vectors and single elements only."""
-    return vec if vec == 16 // dtype.itemsize else 1

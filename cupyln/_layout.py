@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 
+from ._dtypes import VEC
+
 try:
     import cupy as cp
 except ImportError:  # the NumPy path needs only span()
@@ -68,25 +70,21 @@ def rows(a, k, N):
 
 
 def vec_width(dtype, N, lds, ptrs):
-    """Widest vector that divides N and every row stride, and that every pointer is aligned to.
-    ``ptrs`` are (address, itemsize) pairs."""
-    isz = dtype.itemsize
-    v = 16 // isz
+    """``VEC[dtype]`` where it divides N and every row stride and every pointer is aligned to it,
+    else one element. ``ptrs`` are (address, itemsize) pairs."""
+    v = VEC[dtype]
     div = N
     for ld in lds:
         div |= ld
-    while v > 1:
-        if div % v == 0 and all(p % (v * s) == 0 for p, s in ptrs):
-            return v
-        v //= 2
-    return 1
+    return v if div % v == 0 and all(p % (v * s) == 0 for p, s in ptrs) else 1
 
 
 def peelable(dtype, vec, N, inputs, outs):
-    """Whether rows of vectors narrower than 16 bytes can be peeled: every input's rows
-    (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as every
-    output's (``outs``: rows of N; None for one allocated 256-byte aligned), row after row."""
-    wide = 16 // dtype.itemsize
+    """Whether rows of 16-byte vectors that ``vec`` falls short of can be peeled: every input's
+    rows (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as
+    every output's (``outs``: rows of N; None for one allocated 256-byte aligned), row after
+    row."""
+    wide = VEC[dtype]
     offsets = {0 if o is None else o.data.ptr % 16 for o in outs}
     if vec >= wide or len(offsets) != 1:
         return False

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _plan
 from ._config import DEFAULT
-from ._dtypes import ACC_DTYPES, FLOAT32, add_vec, kernel_param_dtype, param_dtype
+from ._dtypes import ACC_DTYPES, FLOAT32, VEC, kernel_param_dtype, param_dtype
 from ._facts import device_info, launcher
 from ._layout import Extents, Layout, fill, flat, peelable, ptr, rows, vec_width
 from ._recipe import Builder
@@ -341,8 +341,6 @@ def forward(x, gamma, beta, eps, k, is_ln, out=None, remember=None, config=DEFAU
         y, h = (out[0], out[-1] if hdtype is not None else None) if out else (None, None)
         ptrs = [(p.data.ptr, p.itemsize) for p in (xr, g2, b2, y, h, r2) if p is not None]
         vec = vec_width(x.dtype, N, (ldx,) + ((ldr,) if r2 is not None else ()), ptrs)
-        if hdtype is not None:
-            vec = add_vec(x.dtype, vec)
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         ins = [(xr, ldx)] + ([(r2, ldr)] if r2 is not None else [])
         peel = peelable(x.dtype, vec, N, ins, [y, h] if hdtype is not None else [y])
@@ -376,7 +374,7 @@ def _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual, hdt
         g2, b2, xr, ldx, r2, ldr = _forward_inputs(x, gamma, beta, residual, k, N, hdtype, woff)
         ptrs = [(p.data.ptr, p.itemsize) for p in (xr, g2, b2, h, r2) if p is not None]
         lds = (ldx,) + ((ldr,) if r2 is not None else ())
-        vec = add_vec(x.dtype, vec_width(x.dtype, N, lds, ptrs + [(yq.data.ptr, 1)]))
+        vec = vec_width(x.dtype, N, lds, ptrs + [(yq.data.ptr, 1)])
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         plan = _plan.plan_fwd(device_info(dev), config, x.dtype, wdtype, is_ln, M, N, vec,
                               hdtype, False, True)  # (ValueError here: nothing written yet)
@@ -433,8 +431,6 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         dx = out[0] if out else None
         inputs = [(xr, ldx), (dyr, lddy)] + ([(drr, ldres)] if drr is not None else [])
         peel = peelable(x.dtype, vec, N, inputs, [dx])
-        if drr is not None:
-            vec = add_vec(x.dtype, vec)
         plan = _plan.plan_bwd(device_info(dev), config, x.dtype, wdtype, mean is not None, M, N,
                               vec, drr is not None, peel)
         partials = deterministic or not config.atomic_flush
@@ -504,9 +500,9 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
         is_ln, M = op == "layernorm", max(M, 1)
         # the arguments as the calls give them (the plans' LRU caches key on them)
         _plan.plan_fwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, None,
-                       vec < 16 // dtype.itemsize)
+                       vec < VEC[dtype])
         _plan.plan_bwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, False,
-                       vec < 16 // dtype.itemsize)
+                       vec < VEC[dtype])
         plans += 2
     return plans
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ._config import DEFAULT, Config
-from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, add_vec, h_dtypes, vec_options
+from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, VEC, h_dtypes, vec_options
 from ._spec import Spec
 from ._tuning import BwdRows, FwdRows, Settings, family, settings
 
@@ -144,9 +144,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
 
 def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
     """(spec, pass) of every forward kernel of one (dtypes, norm, vector width) ``s``."""
-    add = add_vec(s.dtype, s.vec) == s.vec  # a width the fused add runs at
     if s.wide and clusters:  # rows split over a cluster
-        for h in (None, *(h_dtypes(s.dtype) if add else ())):
+        for h in (None, *h_dtypes(s.dtype)):
             for tiles in fwd_cluster_sizes(cfg, False, h):  # RMSNorm's: LayerNorm's and more
                 yield s._replace(npt=cfg.npt, tiles=tiles, hdtype=h), "fwd"
         if cfg.small_m and cfg.cluster_tiles > 1:  # few rows: one vector per thread
@@ -160,26 +159,26 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
     for n in (1, 2, 4):
         if n <= cfg.npt:
             yield s._replace(npt=n), "fwd"
-            for h in h_dtypes(s.dtype) if add else ():
+            for h in h_dtypes(s.dtype):
                 yield s._replace(npt=n, hdtype=h), "fwd"
         if s.wide:
             for tpr in row_kernel_widths(cfg, s.warp, n):
                 yield s._replace(npt=n, tpr=tpr, row=True), "fwd"
-    if s.wide:  # narrower rows peeled (and the fused add's, h in x's dtype)
+    if s.wide:  # rows off the vector peeled (and the fused add's, h in x's dtype)
         for h in (None, s.dtype):
             for n in PEEL_NPTS:
                 yield s._replace(npt=n, peeled=True, hdtype=h), "fwd"
             yield s._replace(npt=cfg.npt, peeled=True, hdtype=h), "fwd_long"
-    if add:  # y in float8: the widths the fused add runs at, rows of one chunk
-        for n, h, ln in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
-                                          (None, *h_dtypes(s.dtype)), (True, False)):
-            yield s._replace(npt=n, hdtype=h, quant=True, ln=ln), "fwd"
+    # y in float8: rows of one chunk
+    for n, h, ln in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
+                                      (None, *h_dtypes(s.dtype)),
+                                      (True, False) if s.wide else (None,)):
+        yield s._replace(npt=n, hdtype=h, quant=True, ln=ln), "fwd"
 
 
 def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
     """(spec, pass) of every backward kernel of one (dtypes, norm, vector width) ``s``."""
-    add = add_vec(s.dtype, s.vec) == s.vec
-    residuals = (False, True) if add else (False,)  # and the fused add's
+    residuals = (False, True)  # and the fused add's
     if s.wide and clusters and cfg.resident_npt and cfg.cluster_tiles_long > 1:
         for res in residuals:
             for ln in (True, False):  # its norm fixed (Spec.ln)
@@ -192,7 +191,7 @@ def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
                              ln=ln), "bwd_long"
     npts = [n for n in range(cfg.npt_min, max(cfg.npt, cfg.tile_npt, cfg.cluster_npt) + 1)
             if not n & (n - 1)]
-    if s.wide:  # narrower rows peeled (and the fused add's)
+    if s.wide:  # rows off the vector peeled (and the fused add's)
         for res in residuals:
             for n in npts[:2]:
                 yield s._replace(npt=n, peeled=True, residual=res), "bwd"
@@ -205,9 +204,8 @@ def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
                 continue  # long rows take these widths alone
             if not clusters and tiles > 1 and pass_ == "bwd":
                 continue  # one cluster alone: clusters only
-            yield s._replace(npt=n, tiles=tiles), pass_
-            if add:
-                yield s._replace(npt=n, tiles=tiles, residual=True), pass_
+            for res in residuals:
+                yield s._replace(npt=n, tiles=tiles, residual=res), pass_
 
 
 # ----------------------------------------------------------------------------- device facts
@@ -400,10 +398,10 @@ def _plan_fwd_peeled(config, info, dtype, wdtype, is_ln, M, N, hdtype=None):
     peel_parts_rows`` (the fused add's: ``parts_rows_add``), else at 8 vectors per thread
     (staged where the rows outnumber the resident blocks), or in chunks where 8 do not hold the
     row or their unstaged block spills (over a cluster instead where ``peel_cluster`` places
-    one); None elsewhere (narrow vectors then). ``hdtype``: the fused add's h, peeled where it
+    one); None elsewhere (single elements then). ``hdtype``: the fused add's h, peeled where it
     is x's dtype, on the same geometry but never staged."""
     cfg, wp = config.fwd, info.warp
-    vec = 16 // dtype.itemsize
+    vec = VEC[dtype]
     if not config.peel or N < 2 * vec or hdtype not in (None, dtype):
         return None
     g = _fwd_row_geometry(cfg, info, M, N // vec * vec, vec)
@@ -453,7 +451,7 @@ def _plan_fwd_peeled_cluster(config, info, dtype, wdtype, is_ln, M, N, g):
     (``fwd_cluster_tiles``; RMSNorm's: in blocks of ``peel_cluster_rms_threads`` threads or
     more), one row per cluster at a time; None where ``peel_cluster`` or the rules say no, or
     the driver cannot place such a cluster."""
-    cfg, vec = config.fwd, 16 // dtype.itemsize
+    cfg, vec = config.fwd, VEC[dtype]
     tiles = cfg.peel_cluster and fwd_cluster_tiles(config, info, dtype, is_ln, None, vec, g, M, N)
     if not tiles:
         return None
@@ -474,7 +472,7 @@ def _plan_fwd_peeled_chunked(config, info, dtype, wdtype, M, hdtype=None):
     block spills), in chunks read twice: one row per block of ``tpr_max`` threads, the blocks
     looping over the rows."""
     cfg = config.fwd
-    spec = Spec(dtype, wdtype, 16 // dtype.itemsize, cfg.npt, info.warp, hip=info.hip,
+    spec = Spec(dtype, wdtype, VEC[dtype], cfg.npt, info.warp, hip=info.hip,
                 peeled=True, hdtype=hdtype)
     kern = info.kernels(spec, "fwd_long", config.source)["fwd_peeled_chunked"]
     grid, block = (min(M, info.sms * cfg.grid_per_sm),), (cfg.tpr_max, 1)
@@ -490,11 +488,11 @@ def _fwd_kinds(dtype, hdtype):
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None,
              peel=False, quant=False):
-    """Forward geometry and kernel; ``hdtype``: the fused residual add's h (vec from add_vec);
-    ``peel``: narrower vectors than 16 bytes whose rows start alike in x and y within 16 bytes
-    (the caller's check), so that their heads and tails can be peeled off; ``quant``: y in
-    float8 (vec from add_vec). ValueError where the plan's grid passes the device's limits,
-    or (``quant``) where one block does not hold the row."""
+    """Forward geometry and kernel; ``hdtype``: the fused residual add's h; ``peel``: rows
+    that 16-byte vectors do not fit, starting alike in x and y within 16 bytes (the caller's
+    check), so that their heads and tails can be peeled off; ``quant``: y in float8.
+    ValueError where the plan's grid passes the device's limits, or (``quant``) where one
+    block does not hold the row."""
     if quant:
         plan = _plan_fwd_quant(settings(config, family(info.hip, info.warp, info.clusters)),
                                info, dtype, wdtype, is_ln, M, N, vec, hdtype)
@@ -521,7 +519,7 @@ def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
             f"got {N}")
     grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
     spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
-                quant=True, ln=is_ln)
+                quant=True, ln=is_ln if vec * dtype.itemsize == 16 else None)
     kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
     launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_Q_ARGS, dtype))}
     return Plan(spec, "fwd_q", kern, grid, block, 0, launch)
@@ -812,10 +810,10 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, M, N, residual=False):
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
     ``peel_rows`` rows; rows longer than one block on column tiles after their row sums (those
     of at most ``sms * parts_rows`` rows in parts over the grid), where each row of tiles
-    takes ``peel_tile_rows`` rows or is alone. None elsewhere (narrow vectors then).
+    takes ``peel_tile_rows`` rows or is alone. None elsewhere (single elements then).
     ``residual``: the same plans on the kernels that add the fused add's dresidual to dx."""
     cfg, wp = config.bwd, info.warp
-    vec = 16 // dtype.itemsize
+    vec = VEC[dtype]
     if not config.peel or N < 2 * vec:
         return None
     g = bwd_geometry(cfg, N // vec, wp)
@@ -847,10 +845,10 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, M, N, residual=False):
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_bwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, residual=False,
              peel=False):
-    """Backward geometry (``residual``: the fused add's kernels, dresidual added to dx; vec
-    from add_vec; ``peel`` as plan_fwd's, x's, dy's and dx's rows alike). The grid depends only
-    on (device, config, dtypes, M, N, vec), so the deterministic reduction order is the same
-    on every call. ValueError where the grid passes the device's limits."""
+    """Backward geometry (``residual``: the fused add's kernels, dresidual added to dx;
+    ``peel`` as plan_fwd's, x's, dy's and dx's rows alike). The grid depends only on (device,
+    config, dtypes, M, N, vec), so the deterministic reduction order is the same on every
+    call. ValueError where the grid passes the device's limits."""
     plan = _bwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, residual, peel)
     return _within_grid(plan, info, "backward", N)
 

@@ -36,7 +36,7 @@ class Spec(NamedTuple):
         return CTYPES[self.dtype], CTYPES[self.wdtype]
 
     def _norm(self):
-        """The norm of the kernels that fix it (cln::either_norm elsewhere, never named)."""
+        """The norm of the kernels that fix it (the others take cln::either_norm, their default)."""
         if self.ln is None:
             raise ValueError(f"{self}: this kernel's norm is fixed, and the spec names none")
         return "cln::layernorm" if self.ln else "cln::rmsnorm"
@@ -52,8 +52,8 @@ class Spec(NamedTuple):
     def wide(self):
         """16-byte vectors: the width every aligned row takes. The variants beyond the basic
         kernels (staged rows, early parameters, rows without column tests; clusters of column
-        tiles also for single elements) are built for it alone: narrower widths serve rare
-        alignments, where the basic kernels do."""
+        tiles also for single elements) are built for it alone: single elements serve rare
+        alignments and float64, where the basic kernels do."""
         return self.vec * self.dtype.itemsize == 16
 
     @property
@@ -92,7 +92,9 @@ class Spec(NamedTuple):
             t, w = self._types()
             h, add = (t, "no_add") if self.hdtype is None else (CTYPES[self.hdtype],
                                                                "residual_add")
-            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {self._norm()}, {self.vec}, {self.npt}, "
+            # its norm fixed where 16-byte vectors run (faster there), else decided at run time
+            norm = self._norm() if self.wide else "cln::either_norm"
+            return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {norm}, {self.vec}, {self.npt}, "
                              f"{self.warp}, cln::{add}>"}
         if self.peeled:
             return self._fwd_peeled_names()

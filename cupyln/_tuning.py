@@ -46,7 +46,7 @@ SM90_FWD = {
     "peel_parts_rows": (4.0, "peeled rows past one chunk in parts up to this many per SM"),
     "peel_cluster": (True, "peeled rows that would run in chunks split over a cluster instead"),
     "peel_cluster_rms_threads": (512, "RMS peeled cluster rows only in blocks this wide or more"),
-    "peel_chunked": (True, "peeled rows past 8 vectors per thread in 16-byte chunks, not narrow"),
+    "peel_chunked": (True, "peeled rows past 8 vectors per thread in 16-byte chunks, not elements"),
     "peel_block_spill": (16, "chunks also where an 8-vector block spills more bytes than this"),
     "peel_early_rows": (1.0, "peeled one-vector rows up to this many per SM read gamma early"),
 }

@@ -532,7 +532,7 @@ def load_shapes(path=None):
 
 # The sweep of the plot's third panel: LayerNorm bfloat16 rows of N from 256 to 1,048,576 at
 # M * N = 2^27 elements, the plain passes only, and lengths that no vector width divides (odd:
-# their rows are peeled, or read in narrow vectors where no peeled kernel holds them), RMSNorm's
+# their rows are peeled, or read in single elements where no peeled kernel holds them), RMSNorm's
 # too.
 ODD_N = (3583, 50257, 65535, 131071, 1048575)
 SWEEP = [("layernorm", 2**27 // n, n, "bfloat16")

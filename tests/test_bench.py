@@ -74,13 +74,13 @@ def test_same_code_tells_a_changed_kernel_from_the_same(monkeypatch, capsys):
     monkeypatch.setattr(same_code, "_git_reader", lambda rev: _compile._read)  # base: this tree
     args = ["BASE", "--arch", "compute_80", "--kernels", "norm_bwd_rowsums_merge"]
     assert same_code.main(args) == 0
-    assert "compute_80 norm_bwd_rowsums_merge: 2 of 2 the same" in capsys.readouterr().out
+    assert "compute_80 norm_bwd_rowsums_merge: 1 of 1 the same" in capsys.readouterr().out
     src = _compile.source()
     bound = src.rindex("__launch_bounds__(1024)", 0, src.index("norm_bwd_rowsums_merge("))
     changed = src[:bound] + src[bound:].replace("(1024)", "(512)", 1)
     monkeypatch.setattr(_compile, "source", lambda: changed)
     assert same_code.main(args) == 1
-    assert "compute_80 norm_bwd_rowsums_merge: 0 of 2 the same" in capsys.readouterr().out
+    assert "compute_80 norm_bwd_rowsums_merge: 0 of 1 the same" in capsys.readouterr().out
 
 
 def test_spills_reads_ptxas_report_and_tells_what_changed(monkeypatch, capsys):
@@ -118,7 +118,7 @@ def test_the_fused_add_runs_on_the_list_and_the_sweeps_odd_lengths():
 
 def test_plot_draws_the_sweep_with_its_odd_lengths(tmp_path):
     """The plot's three panels from a result holding the sweep's rows, odd lengths included
-    (their rows peeled or narrow, drawn apart from the powers of two)."""
+    (their rows peeled or in single elements, drawn apart from the powers of two)."""
     pytest.importorskip("matplotlib")
     assert all(n % 2 == 1 for n in bench.ODD_N)
     assert {(op, n) for op, _, n, _ in bench.SWEEP if n in bench.ODD_N} == \

@@ -144,7 +144,7 @@ def test_mixed_numpy_and_cupy_raise_type_error():
 
 def test_rows_past_the_grid_limit_raise_before_any_work():
     """A backward whose column tiles would need more blocks than the grid holds (rows of
-    33554433 float16 elements in narrow vectors, x's rows starting 2 bytes past dx's: 65537
+    33554433 float16 elements read one at a time, x's rows starting 2 bytes past dx's: 65537
     tiles) raises ValueError while planning; the outputs given stay as they were. The forward
     of such a row runs, and so does the backward where x's and dx's rows start alike (peeled,
     in 16-byte vectors)."""

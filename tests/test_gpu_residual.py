@@ -21,6 +21,7 @@ from strategies import BOUNDARY_N
 
 import cupyln
 from cupyln import reference as ref
+from cupyln._dtypes import VEC
 from cupyln.check import dweight_floors, dx_floor
 
 cp = pytest.importorskip("cupy")
@@ -145,7 +146,7 @@ def test_fused_add_rows_in_parts(plans, op, M, N, dt, wdt, hdt):
     for rows in (2.0, 0):
         plans.replan(fwd_parts_rows_add=rows)
         run_fused(op, M, N, dt, wdt, hdt, config=plans.config)
-        wide = N % (16 // dt.itemsize) == 0
+        wide = N % VEC[dt] == 0
         want = "fwd_parts" if wide else "fwd_peeled_parts"
         parts = rows > 0 and (wide or hdt is None)
         assert plans and all((p.variant == want) == parts for p in plans), \
@@ -167,8 +168,8 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
     to x, h stored), the backward's (dresidual added to dx) for any h."""
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     for pass_, dtype in (("fwd", dt), ("bwd", hdt or dt)):
-        wide = 16 // dtype.itemsize
-        alike = extra % wide == 0 and N % wide != 0 and N >= 2 * wide
+        wide = VEC[dtype]  # float64: one element, never peeled
+        alike = wide > 1 and extra % wide == 0 and N % wide != 0 and N >= 2 * wide
         tiles = N // wide > 1024
         long = N // wide >= 8 * wide if pass_ == "fwd" else 64 <= N // wide <= 1024 or tiles
         plans.spy(pass_)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import cupyln
 from cupyln import _tuning
 from cupyln import reference as ref
+from cupyln._dtypes import VEC
 from cupyln.check import dx_floor
 
 cp = pytest.importorskip("cupy")
@@ -242,13 +243,12 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
 @pytest.mark.parametrize("M,N,dt,wdt,params", [
     (32, 512, F16, F16, "gb"), (96, 768, F16, F32, "gb"), (192, 1024, BF16, BF16, "b"),  # 2-4 warps
     (1024, 768, F16, F16, "g"), (7, 256, F32, F32, ""), (100, 256, F16, F32, "gb"),  # 3-1
-    (300, 2048, BF16, F32, "gb"), (5, 512, F64, F64, "g"),  # 8 warps
+    (300, 2048, BF16, F32, "gb"), (5, 1024, F32, F32, "g"),  # 8 warps
     (9, 1000, F16, F16, "gb"), (200, 200, F32, F32, "b"),  # not a multiple of the block's row
     # several vectors per thread (fwd.row_npt_warps): rows of 2 warps stacked in the general
-    # kernel, of 2 not filling the chunk, of 4 and 3 warps, of 2 and 4 warps of 4-byte and
-    # 8-byte types
+    # kernel, of 2 not filling the chunk, of 4 and 3 warps, of 2 and 4 warps of 4-byte types
     (4096, 2048, F16, F16, "gb"), (5000, 1032, F16, F32, "gb"), (3000, 4096, BF16, BF16, "b"),
-    (2000, 3072, F16, F16, "g"), (4096, 1024, F32, F32, ""), (1500, 1024, F64, F64, "gb"),
+    (2000, 3072, F16, F16, "g"), (4096, 1024, F32, F32, ""), (1500, 2048, F32, F32, "gb"),
 ])
 def test_row_kernel(plans, op, M, N, dt, wdt, params):
     """16-byte vectors: the row kernel (norm_fwd_row) exactly where fwd.row_warps and
@@ -387,11 +387,11 @@ def test_forward_configs_off_the_defaults_plan_what_runs(plans, fields, M, varia
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b", [
     (16, 1 << 20, BF16, BF16, True), (30, 600008, F16, F32, False), (40, 262152, F32, F32, True),
-    (35, 140000, F64, F64, True), (40, 524288, BF16, F32, True)])
+    (35, 140000, F32, F32, True), (40, 524288, BF16, F32, True)])
 def test_forward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt, has_b):
     """Rows longer than the portable cluster's registers hold, held in the shared memory of a
     cluster of 8 or 16 blocks (each thread's ring of slots: two whole rows, or fewer; rows not
-    a multiple of the cluster's chunk, strided rows, float64), match the reference, as the
+    a multiple of the cluster's chunk, strided rows), match the reference, as the
     paths without them do; on sm_90 the plan takes them for every such row here, at least
     ``resident_rows`` per resident cluster, and for none when off."""
     from cupyln import _facts
@@ -416,11 +416,11 @@ def test_forward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt,
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,has_b,det", [
     (40, 262144, BF16, BF16, True, False), (30, 200000, F16, F32, False, True),
-    (20, 131072, F32, F32, True, False), (16, 60000, F64, F64, True, True)])
+    (20, 131072, F32, F32, True, False), (16, 120000, F32, F32, True, True)])
 def test_backward_rows_held_in_a_clusters_shared_memory(plans, op, M, N, dt, wdt, has_b, det):
     """Backward rows longer than the register tiles' 16-block clusters hold, with x and dy kept
     in the shared memory of 16 column tiles (rows not a multiple of the tiles' chunk, strided
-    rows, float64, float32 parameters of 16-bit rows), match the reference, as row sums and
+    rows, float32 parameters of 16-bit rows), match the reference, as row sums and
     tiles do; on sm_90 the plan takes them for every such row here, and for none when off."""
     from cupyln import _facts
 
@@ -637,7 +637,7 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
                                         (37, 33, BF16, F32), (5, 512, F16, F32),
                                         (8, 500, F32, F32), (3, 300, F64, F64),
                                         (60, 256, BF16, BF16), (8, 8192, F16, F16),
-                                        (16, 1024, F32, F32), (2, 2048, F64, F64),
+                                        (16, 1024, F32, F32), (2, 1024, F64, F64),
                                         (32, 1000, BF16, F32)])
 def test_cluster_sums(plans, op, M, N, dt, wdt):
     """Rows that fit in one cluster of bwd.csum_blocks blocks run there, and the blocks sum
@@ -692,8 +692,8 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
 
     case = inputs(M, N, dt, wdt)
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
-    wide = 16 // dt.itemsize
-    alike = (extra % wide == 0) and N % wide != 0 and N >= 2 * wide
+    wide = VEC[dt]  # float64: one element, never peeled
+    alike = wide > 1 and extra % wide == 0 and N % wide != 0 and N >= 2 * wide
     tiles = N // wide > 1024
     for pass_, long in (("fwd", N // wide >= 8 * wide),
                         ("bwd", 64 <= N // wide <= 1024 or tiles)):
@@ -712,11 +712,11 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,extra", [
     (40, 70001, BF16, BF16, 0), (9, 131071, F16, F32, 8), (30, 40001, F32, F32, 0),
-    (5, 65537, F64, F64, 0), (3, 1048575, BF16, F32, 0)])
+    (5, 65537, F32, F32, 0), (3, 1048575, BF16, F32, 0)])
 def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
     """Peeled rows past one block of 8 vectors per thread, their middles read in chunks twice
     (here for few rows: ``peel_parts_rows=0``), against the reference, rows of longer strides
-    included; ``peel_chunked=False``: narrow vectors over the row, the same results."""
+    included; ``peel_chunked=False``: single elements over the row, the same results."""
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     case = inputs(M, N, dt, wdt)
     plans.spy("fwd")
@@ -731,7 +731,7 @@ def test_peeled_rows_in_chunks(plans, op, M, N, dt, wdt, extra):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt,extra", [
     (40, 70001, BF16, BF16, 0), (9, 131071, F16, F32, 8), (30, 40001, F32, F32, 0),
-    (5, 65537, F64, F64, 0), (3, 262143, BF16, F32, 0), (3, 400001, BF16, BF16, 0),
+    (5, 65537, F32, F32, 0), (3, 262143, BF16, F32, 0), (3, 400001, BF16, BF16, 0),
     (300, 50257, F16, F16, 8)])
 def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
     """Peeled rows that would go in chunks split over a cluster instead (sm_90; here for few
@@ -755,9 +755,9 @@ def test_peeled_rows_over_a_cluster(plans, op, M, N, dt, wdt, extra):
             chunked = [p.variant == "fwd_peeled_chunked" for p in plans]
             continue
         cfg = plans.rows.fwd
-        tiles = _fwd_cluster_tiles(cfg, info, op, M, N, 16 // dt.itemsize)
+        tiles = _fwd_cluster_tiles(cfg, info, op, M, N, VEC[dt])
         wp = info.warp
-        threads = -(-(N // (16 // dt.itemsize)) // (tiles * cfg.npt * wp)) * wp if tiles else 0
+        threads = -(-(N // VEC[dt]) // (tiles * cfg.npt * wp)) * wp if tiles else 0
         held = tiles > 0 and (op == "ln" or threads >= cfg.peel_cluster_rms_threads)
         assert [p.variant == "fwd_peeled_cluster" for p in plans] == \
             [c and info.clusters and held for c in chunked], [p.variant for p in plans]
@@ -798,7 +798,7 @@ def _long_rows(draw):
 @given(_long_rows(), st.booleans(), st.integers(0, 1000))
 def test_fuzz_peeled_long_rows(op, rows, det, seed):
     """Long rows of any length against the reference: peeled in parts or in one block
-    (forward), on column tiles (backward), or narrow vectors, as the planner picks."""
+    (forward), on column tiles (backward), or single elements, as the planner picks."""
     M, N, (dt, wdt), extra = rows
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     check_case(op, *inputs(M, N, dt, wdt, seed=seed), layout=layout, deterministic=det)
@@ -828,7 +828,7 @@ def test_fuzz_rows_past_8_cluster_blocks(op, rows, det, seed):
 
 def test_peeled_rows_with_y_unlike_x(plans):
     """A peelable signature called again with y given one element past an aligned start (its
-    rows then start unlike x's within 16 bytes) runs the narrow path, and still matches."""
+    rows then start unlike x's within 16 bytes) runs single elements, and still matches."""
     x_h, _, g_h, b_h = inputs(40, 3583, F16, F16)
     x, g, b = cp.asarray(x_h), cp.asarray(g_h), cp.asarray(b_h)
     plans.spy("fwd")
@@ -862,7 +862,7 @@ def _peeled_fwd_alike(plans, op, x_h, x, g_h, b_h, configs):
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("M,N,dt,wdt", [
     (8, 3583, F16, F16), (1, 3583, BF16, F32), (132, 3583, BF16, BF16), (100, 1001, F32, F32),
-    (64, 777, F16, F32), (5, 777, F64, F64)])
+    (64, 777, F16, F32), (5, 777, BF16, BF16)])
 def test_peeled_rows_with_early_parameters(plans, op, M, N, dt, wdt):
     """Few peeled rows of one vector per thread read gamma and beta with the row (each absent
     too): the same y, mean and rstd bitwise as the kernel that reads them after the row's

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cupyln import _layout, _plan, _tuning
 from cupyln._config import DEFAULT, Config
-from cupyln._dtypes import BFLOAT16, add_vec, h_dtypes
+from cupyln._dtypes import BFLOAT16, VEC, h_dtypes
 
 FWD, BWD = _tuning.settings(DEFAULT, "sm_90").fwd, _tuning.settings(DEFAULT, "sm_90").bwd
 NO_PARTS = Config(tuning=dict(fwd_parts_rows=0, bwd_parts_rows=0))
@@ -93,9 +93,8 @@ def test_vector_width_divides_sizes_and_alignments(dtype, N, offset):
     dtype = np.dtype(dtype)
     ptr = 4096 + offset * dtype.itemsize
     v = _layout.vec_width(dtype, N, (N,), [(ptr, dtype.itemsize)])
-    assert v * dtype.itemsize <= 16 and N % v == 0 and ptr % (v * dtype.itemsize) == 0
-    if N % (16 // dtype.itemsize) == 0 and ptr % 16 == 0:
-        assert v == 16 // dtype.itemsize
+    assert v in (VEC[dtype], 1) and N % v == 0 and ptr % (v * dtype.itemsize) == 0
+    assert (v == VEC[dtype]) == (N % VEC[dtype] == 0 and ptr % (VEC[dtype] * dtype.itemsize) == 0)
 
 
 @given(st.text(alphabet="pifd", min_size=1, max_size=20))
@@ -165,13 +164,13 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         active_clusters=lambda k, cl, *a: at_once * (cl[0] * cl[1] <= most_blocks),
         resident_blocks=_fake_resident_blocks)
     vec = _layout.vec_width(dtype, N, (N,), [])
-    peel = peel and vec * dtype.itemsize < 16  # the calls' rule: narrower than 16 bytes
+    peel = peel and vec < VEC[dtype]  # the calls' rule: rows 16-byte vectors do not fit
     if hdtype is not None or quant:
         return _plan.plan_fwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
-                                          add_vec(dtype, vec), hdtype, peel, quant), built
+                                          vec, hdtype, peel, quant), built
     if residual:
         return _plan.plan_bwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
-                                          add_vec(dtype, vec), True, peel), built
+                                          vec, True, peel), built
     planner = _plan.plan_fwd if pass_ == "fwd" else _plan.plan_bwd
     return planner.__wrapped__(info, config, dtype, dtype, is_ln, M, N, vec, peel=peel), built
 
@@ -337,13 +336,13 @@ def _check_parts_geometry(parts, tpr, npt, vec, M, N, warp, tpr_max, per_sm):
 
 def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
     """The ``pass_`` plan of peelable rows, and its kernels: never peeled where 16-byte vectors
-    fit, below 2 * VEC elements or past ``most`` vectors; peeled where ``sure``. The plan where
-    peeled, else None."""
+    fit, below 2 * VEC elements or past ``most`` vectors, or in float64; peeled where ``sure``.
+    The plan where peeled, else None."""
     plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
-    wide = 16 // _dtype(dt).itemsize
+    wide = VEC[_dtype(dt)]
     peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_staged",
                               "fwd_peeled_parts", "fwd_peeled_cluster", "fwd_peeled_chunked")
-    if N % wide == 0 or N < 2 * wide or N // wide > most:
+    if wide == 1 or N % wide == 0 or N < 2 * wide or N // wide > most:
         assert not peeled
     elif sure:
         assert peeled
@@ -370,7 +369,7 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
 def test_forward_rows_peeled_where_vectors_do_not_fit(dt, M, N, warp, hip):
     """Peeled rows as the peeled kernels need them, whichever one runs: never rows of 16-byte
     vectors, below 2 * VEC elements, or (from 8 * VEC vectors, where the peeled kernels are
-    sure to take them) in narrower vectors; at least 2 * VEC threads per row (one per peeled
+    sure to take them) in single elements; at least 2 * VEC threads per row (one per peeled
     element), whole warps or a power of two within one; in parts, blocks of one row whose parts
     cover the row's vectors; in chunks, blocks of ``tpr_max`` threads; else one chunk of at
     most 8 vectors per thread holding the row's middle, staged kernels with their two buffers
@@ -437,7 +436,7 @@ def test_peeled_rows_over_a_cluster_in_place_of_chunks(dt, M, N, warp, is_ln):
 
 def test_peeled_chunks_are_a_switch():
     """``peel_chunked=False``: many peeled rows past one block of 8 vectors per thread run
-    narrow vectors over the whole row, as before the chunked kernel. Rows of more than ``npt``
+    single elements over the whole row, as before the chunked kernel. Rows of more than ``npt``
     vectors per thread of one unstaged block go in chunks where that block's kernel keeps more
     than ``peel_block_spill`` bytes in local memory, and stay in it where it keeps no more or
     where they are staged."""
@@ -929,7 +928,7 @@ def test_grid_buffers_hold_whole_steps_and_more_than_the_lag(fields):
 
 
 @pytest.mark.parametrize("pass_,dt,M,N,peel,refused", [
-    ("bwd", "bfloat16", 1, 2**25 + 1, False, True),  # narrow vectors: 65537 tiles of 512
+    ("bwd", "bfloat16", 1, 2**25 + 1, False, True),  # single elements: 65537 tiles of 512
     ("bwd", "bfloat16", 1, 2**25 + 1, True, False),  # peeled: tiles of 16-byte vectors
     ("bwd", "bfloat16", 1, 2**24 + 1, False, False), ("bwd", "float32", 3, 2**27, True, True),
     ("bwd", "bfloat16", 1, 2**27, True, False), ("bwd", "float32", 2, 2**29, True, True),
@@ -938,7 +937,7 @@ def test_plans_past_the_grid_limit_are_refused(pass_, dt, M, N, peel, refused):
     """A plan one of whose launches needs more blocks than the device's grid holds in a
     dimension (the backward's column tiles or row sums of rows tens of millions long) is a
     ValueError naming the rows' length, raised while planning; the others stand, within it.
-    ``peel``: rows that may peel (False: rows that start unlike, on narrow vectors)."""
+    ``peel``: rows that may peel (False: rows that start unlike, in single elements)."""
     if refused:
         with pytest.raises(ValueError, match=f"rows of {N} elements needs a grid"):
             _plan_without_gpu(pass_, dt, M, N, 32, peel=peel)
@@ -994,16 +993,17 @@ class _Ptr(NamedTuple):
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 5000),
        st.lists(st.tuples(st.integers(0, 63), st.integers(0, 40)), min_size=1, max_size=3),
        st.lists(st.one_of(st.none(), st.integers(0, 63)), min_size=1, max_size=2),
-       st.integers(1, 8))
+       st.booleans())
 def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inputs, outs_at,
-                                                                      vec):
-    """Narrower vectors than 16 bytes peel exactly where each input's row r starts at the same
-    offset within 16 bytes as each output's row r (rows of N; allocated: 256-byte aligned), for
-    every r: the rule the peeled kernels' heads rely on (the fused add: y and h, or dx; x, the
-    residual or dresidual, dy)."""
+                                                                      single):
+    """Rows in single elements (``single``) where 16-byte vectors would run peel exactly
+    where each input's row r starts at the same offset within 16 bytes as each output's row r
+    (rows of N; allocated: 256-byte aligned), for every r: the rule the peeled kernels' heads
+    rely on (the fused add: y and h, or dx; x, the residual or dresidual, dy). float64 rows
+    never peel (one element is their vector)."""
     dtype = _dtype(dt)
-    s, wide = dtype.itemsize, 16 // dtype.itemsize
-    vec = min(vec, wide)
+    s, wide = dtype.itemsize, VEC[dtype]
+    vec = 1 if single else wide
     arrays = [(_Arr(_Ptr(4096 + off * s)), N + pad) for off, pad in inputs]
     outs = [None if at is None else _Arr(_Ptr(8192 + at * s)) for at in outs_at]
     starts = [0 if o is None else o.data.ptr for o in outs]
@@ -1109,7 +1109,7 @@ def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, 
     covered, wherever that many threads of ``npt`` vectors hold the row; a ValueError past
     that."""
     dtype = _dtype(dt)
-    vec = add_vec(dtype, _layout.vec_width(dtype, N, (N,), []))
+    vec = _layout.vec_width(dtype, N, (N,), [])
     h = dtype if add else None
     threads = _plan.QUANT_THREADS if vec > 1 else FWD.tpr_max
     if N > threads * FWD.npt * vec:

@@ -545,7 +545,7 @@ norm_fwd_peeled_add(CLN_FWD_PARAMS, const T* __restrict__ res, cl_i64 ldr,
 }
 
 // Peeled rows longer than one block of 8 vectors per thread, more of them than parts over the
-// grid take (the planner's choice where narrow vectors would otherwise run the whole row): each
+// grid take (the planner's choice where single elements would otherwise run the whole row): each
 // row's head and tail peeled as norm_fwd_peeled's, its middle read in chunks of NPT 16-byte
 // vectors per thread twice, as norm_fwd_chunked reads rows whose vectors fit: each chunk's
 // statistics (chunk 0's with the peeled elements) merged by Chan's formula, then y (the second
