@@ -39,15 +39,26 @@ def kernel_param_dtype(x_dtype, w_dtype):
     return w_dtype if (x_dtype, w_dtype) in PARAM_PAIRS else x_dtype
 
 
-#: elements of a kernel's vector: 16 bytes, or one for float64, a checking dtype whose rows take
-#: the general kernels alone (no benchmark shape is float64)
-VEC = {FLOAT16: 8, BFLOAT16: 8, FLOAT32: 4, FLOAT64: 1}
+#: elements of a 16-byte vector, the width aligned rows take
+VEC = {FLOAT16: 8, BFLOAT16: 8, FLOAT32: 4, FLOAT64: 2}
 
 
-def vec_options(dtype):
-    """Vector widths (elements) the kernels are built for: ``VEC[dtype]``, and one element for
-    rows it does not divide (or not peeled)."""
-    return tuple(dict.fromkeys((VEC[dtype], 1)))
+def vec_options(dtype, backward=True):
+    """Vector widths (elements) the kernels are built for: 16 bytes, and for rows it does not
+    divide, narrower ones in the backward (where peeled rows need many rows), one element in
+    the forward (which peels rows off the vector wherever x's and y's rows start alike)."""
+    v, out = VEC[dtype], []
+    while v >= 1:
+        out.append(v)
+        v //= 2
+    return out if backward else list(dict.fromkeys((out[0], 1)))
+
+
+def tuned(dtype, vec):
+    """Whether rows of ``dtype`` in vectors of ``vec`` take the tuned kernel families (clusters,
+    shared-memory rows, the row kernel, parts, peeled rows, float8 with its norm fixed): 16-byte
+    vectors of the dtypes models train in; float64, a checking dtype, takes the general ones."""
+    return vec == VEC[dtype] and dtype != FLOAT64
 
 
 def h_dtypes(x_dtype):

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ._dtypes import VEC
+from ._dtypes import VEC, tuned, vec_options
 
 try:
     import cupy as cp
@@ -69,24 +69,27 @@ def rows(a, k, N):
     return a, ld
 
 
-def vec_width(dtype, N, lds, ptrs):
-    """``VEC[dtype]`` where it divides N and every row stride and every pointer is aligned to it,
-    else one element. ``ptrs`` are (address, itemsize) pairs."""
-    v = VEC[dtype]
+def vec_width(dtype, N, lds, ptrs, narrow=False):
+    """The widest vector (of 16 bytes, or with ``narrow`` narrower ones, else one element) that
+    divides N and every row stride, and that every pointer is aligned to. ``ptrs`` are
+    (address, itemsize) pairs."""
     div = N
     for ld in lds:
         div |= ld
-    return v if div % v == 0 and all(p % (v * s) == 0 for p, s in ptrs) else 1
+    for v in vec_options(dtype, narrow):
+        if div % v == 0 and all(p % (v * s) == 0 for p, s in ptrs):
+            return v
+    return 1
 
 
 def peelable(dtype, vec, N, inputs, outs):
     """Whether rows of 16-byte vectors that ``vec`` falls short of can be peeled: every input's
     rows (``inputs``: (array, row stride) pairs) start at the same offset within 16 bytes as
     every output's (``outs``: rows of N; None for one allocated 256-byte aligned), row after
-    row."""
+    row; never float64's (the general kernels alone)."""
     wide = VEC[dtype]
     offsets = {0 if o is None else o.data.ptr % 16 for o in outs}
-    if vec >= wide or len(offsets) != 1:
+    if vec >= wide or not tuned(dtype, wide) or len(offsets) != 1:
         return False
     (at,) = offsets
     return all((ld - N) % wide == 0 and a.data.ptr % 16 == at for a, ld in inputs)

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _plan
 from ._config import DEFAULT
-from ._dtypes import ACC_DTYPES, FLOAT32, VEC, kernel_param_dtype, param_dtype
+from ._dtypes import ACC_DTYPES, FLOAT32, kernel_param_dtype, param_dtype
 from ._facts import device_info, launcher
 from ._layout import Extents, Layout, fill, flat, peelable, ptr, rows, vec_width
 from ._recipe import Builder
@@ -427,7 +427,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         ptrs = [(xr.data.ptr, x.itemsize), (dyr.data.ptr, x.itemsize)]
         # vector accesses: x, dy, dx, dresidual and gamma (dgamma/dbeta are per element)
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
-        vec = vec_width(x.dtype, N, (ldx, lddy) + ((ldres,) if drr is not None else ()), ptrs)
+        lds = (ldx, lddy) + ((ldres,) if drr is not None else ())
+        vec = vec_width(x.dtype, N, lds, ptrs, narrow=drr is None)  # the fused add's: no
         dx = out[0] if out else None
         inputs = [(xr, ldx), (dyr, lddy)] + ([(drr, ldres)] if drr is not None else [])
         peel = peelable(x.dtype, vec, N, inputs, [dx])
@@ -496,13 +497,12 @@ def warmup(shapes, ops=("layernorm", "rmsnorm"), param_dtype=None, config=DEFAUL
     for M, N, dtype, op in _progress(jobs, progress, "cupyln warmup"):
         wdtype = dtype if param_dtype is None else np.dtype(param_dtype)
         wdtype = kernel_param_dtype(dtype, wdtype)  # what the calls will launch
-        vec = vec_width(dtype, N, (N,), [])
+        vec, bvec = (vec_width(dtype, N, (N,), [], narrow) for narrow in (False, True))
+        peel = peelable(dtype, vec, N, [], [None])  # contiguous rows start alike
         is_ln, M = op == "layernorm", max(M, 1)
         # the arguments as the calls give them (the plans' LRU caches key on them)
-        _plan.plan_fwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, None,
-                       vec < VEC[dtype])
-        _plan.plan_bwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, False,
-                       vec < VEC[dtype])
+        _plan.plan_fwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, vec, None, peel)
+        _plan.plan_bwd(device_info(dev), config, dtype, wdtype, is_ln, M, N, bvec, False, peel)
         plans += 2
     return plans
 

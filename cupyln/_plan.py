@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ._config import DEFAULT, Config
-from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, VEC, h_dtypes, vec_options
+from ._dtypes import ACC_DTYPES, FLOAT64, PARAM_PAIRS, VEC, h_dtypes, tuned, vec_options
 from ._spec import Spec
 from ._tuning import BwdRows, FwdRows, Settings, family, settings
 
@@ -136,8 +136,8 @@ def all_kernel_names(warp, config: Config = DEFAULT, hip=False, clusters=None):
     for t, w in PARAM_PAIRS:
         for v in vec_options(t):
             s = Spec(t, w, v, 1, warp, hip=hip)
-            for spec, pass_ in itertools.chain(_fwd_specs(config.fwd, s, clusters),
-                                               _bwd_specs(config.bwd, s, clusters)):
+            fwd = _fwd_specs(config.fwd, s, clusters) if v in vec_options(t, False) else ()
+            for spec, pass_ in itertools.chain(fwd, _bwd_specs(config.bwd, s, clusters)):
                 names.update(spec.names(pass_).values())
     return names
 
@@ -178,13 +178,13 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
 
 def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
     """(spec, pass) of every backward kernel of one (dtypes, norm, vector width) ``s``."""
-    residuals = (False, True)  # and the fused add's
+    residuals = (False, True) if s.vec in vec_options(s.dtype, False) else (False,)  # + add's
     if s.wide and clusters and cfg.resident_npt and cfg.cluster_tiles_long > 1:
         for res in residuals:
             for ln in (True, False):  # its norm fixed (Spec.ln)
                 yield s._replace(npt=cfg.resident_npt, tiles=cfg.cluster_tiles_long,
                                  resident=True, residual=res, ln=ln), "bwd_long"
-    if s.wide and not s.hip and cfg.grid_vecs and s.dtype != FLOAT64:
+    if s.wide and not s.hip and cfg.grid_vecs:
         for step, res, ln in itertools.product({1, cfg.grid_step_rows}, residuals,
                                                (True, False)):
             yield s._replace(npt=cfg.grid_npt, residual=res, grid=_grid_args(cfg, step),
@@ -381,7 +381,7 @@ def _takes_row_kernel(cfg, info, g, dtype, M, N, vec):
     several vectors per thread), in the widths norm_fwd_row is built for."""
     wp = info.warp
     rg = g._replace(rpb=1) if g.npt > 1 else g
-    ok = (g.fits and vec * dtype.itemsize == 16 and M * N < 2**31
+    ok = (g.fits and tuned(dtype, vec) and M * N < 2**31
           and g.tpr in row_kernel_widths(cfg, wp, g.npt)
           and cdiv(M, rg.rpb) <= info.sms * cfg.grid_per_sm
           and (g.npt > 1 or g.rpb == 1))
@@ -519,7 +519,7 @@ def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
             f"got {N}")
     grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
     spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
-                quant=True, ln=is_ln if vec * dtype.itemsize == 16 else None)
+                quant=True, ln=is_ln if tuned(dtype, vec) else None)
     kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
     launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_Q_ARGS, dtype))}
     return Plan(spec, "fwd_q", kern, grid, block, 0, launch)
@@ -593,7 +593,7 @@ def fwd_cluster_tiles(config: Settings, info, dtype, is_ln, hdtype, vec, g, M, N
     (x read once; more than 8 for at least ``cluster_long_min_rows`` rows); 0 where none
     does."""
     cfg = config.fwd
-    if not (info.clusters and config.cluster and vec * dtype.itemsize == 16 and not g.fits):
+    if not (info.clusters and config.cluster and tuned(dtype, vec) and not g.fits):
         return 0
     tiles = next((t for t in fwd_cluster_sizes(cfg, is_ln, hdtype)
                   if N // vec <= t * cfg.tpr_max * cfg.npt), 0)
@@ -669,7 +669,7 @@ def _plan_fwd_resident(config, info, dtype, wdtype, M, N, vec, hdtype, g):
     cfg = config.fwd
     npt = cfg.resident_npt
     if not (npt and info.clusters and info.async_copy and config.cluster and hdtype is None
-            and vec * dtype.itemsize == 16
+            and tuned(dtype, vec)
             and N // vec > cfg.cluster_tiles * cfg.tpr_max * cfg.npt):
         return None
     tiles = next((t for t in cluster_sizes(cfg) if N // vec <= t * cfg.tpr_max * npt), 0)
@@ -944,7 +944,7 @@ def _plan_bwd_resident(config, info, dtype, wdtype, is_ln, M, N, vec, residual=F
     cfg = config.bwd
     npt, tiles = cfg.resident_npt, cfg.cluster_tiles_long
     if not (npt and tiles > 1 and info.clusters and info.async_copy and config.cluster
-            and vec * dtype.itemsize == 16):
+            and tuned(dtype, vec)):
         return None
     if N // vec <= tiles * bwd_threads(cfg.cluster_npt) * cfg.cluster_npt or \
             N // vec > tiles * RESIDENT_BWD_THREADS * npt:
@@ -983,7 +983,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     (``residual``: the fused add's dresidual staged with x and dy, where each block collects at
     most ``grid_add_sums`` tiles' row sums); None elsewhere."""
     cfg = config.bwd
-    if not (cfg.grid_vecs and info.async_copy and vec * dtype.itemsize == 16
+    if not (cfg.grid_vecs and info.async_copy and tuned(dtype, vec)
             and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
         return None
     tpr = cfg.grid_tpr

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._dtypes import ACC_DTYPES, CTYPES
+from ._dtypes import ACC_DTYPES, CTYPES, tuned
 
 PORTABLE_CLUSTER = 8  # blocks per cluster every sm_90 device runs; more need an opt-in
 
@@ -50,11 +50,11 @@ class Spec(NamedTuple):
 
     @property
     def wide(self):
-        """16-byte vectors: the width every aligned row takes. The variants beyond the basic
-        kernels (staged rows, early parameters, rows without column tests; clusters of column
-        tiles also for single elements) are built for it alone: single elements serve rare
-        alignments and float64, where the basic kernels do."""
-        return self.vec * self.dtype.itemsize == 16
+        """16-byte vectors of a dtype models train in (``_dtypes.tuned``). The variants beyond
+        the basic kernels (staged rows, early parameters, rows without column tests; clusters
+        of column tiles also for single elements) are built for them alone: narrower widths
+        serve rare alignments, and float64 takes the basic kernels."""
+        return tuned(self.dtype, self.vec)
 
     @property
     def large_cluster(self):

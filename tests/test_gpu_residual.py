@@ -21,7 +21,7 @@ from strategies import BOUNDARY_N
 
 import cupyln
 from cupyln import reference as ref
-from cupyln._dtypes import VEC
+from cupyln._dtypes import VEC, tuned
 from cupyln.check import dweight_floors, dx_floor
 
 cp = pytest.importorskip("cupy")
@@ -168,8 +168,8 @@ def test_fused_add_rows_peeled(plans, op, M, N, dt, wdt, hdt, extra):
     to x, h stored), the backward's (dresidual added to dx) for any h."""
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
     for pass_, dtype in (("fwd", dt), ("bwd", hdt or dt)):
-        wide = VEC[dtype]  # float64: one element, never peeled
-        alike = wide > 1 and extra % wide == 0 and N % wide != 0 and N >= 2 * wide
+        wide = VEC[dtype]
+        alike = tuned(dtype, wide) and extra % wide == 0 and N % wide != 0 and N >= 2 * wide
         tiles = N // wide > 1024
         long = N // wide >= 8 * wide if pass_ == "fwd" else 64 <= N // wide <= 1024 or tiles
         plans.spy(pass_)

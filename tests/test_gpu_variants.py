@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import cupyln
 from cupyln import _tuning
 from cupyln import reference as ref
-from cupyln._dtypes import VEC
+from cupyln._dtypes import VEC, tuned
 from cupyln.check import dx_floor
 
 cp = pytest.importorskip("cupy")
@@ -85,7 +85,7 @@ def test_staged_and_direct_rows_agree(plans, pass_, op, M, N):
         once = plan.variant in ("fwd_chunked", "fwd_cluster_chunked", "fwd_parts") \
             or plan.spec.row or plan.spec.peeled
         # staged kernels: cp.async, 16-byte vectors (Spec.wide)
-        can = _facts.device_info(x.device.id).async_copy and plan.spec.vec * dt.itemsize == 16
+        can = _facts.device_info(x.device.id).async_copy and plan.spec.wide
         assert staged == (can and not once and mode == "always"), (mode, plan.grid)
         assert (plan.smem > 0) >= staged
         check_case(op, *case, config=cfg)
@@ -230,7 +230,7 @@ def test_full_rows_without_column_tests(plans, M, N, dt, wdt, has_b):
         out[full] = cupyln.layer_norm_fwd(x, g, b, config=plans.config)
         (plan,) = plans
         multiple = N % (plan.block[0] * plan.spec.npt * plan.spec.vec) == 0
-        wide = plan.spec.vec * dt.itemsize == 16  # the variant is built for 16-byte vectors
+        wide = plan.spec.wide  # the variant is built for 16-byte vectors (not float64's)
         assert plan.variant.endswith("_full") == (full and multiple and wide), plan.variant
         check_case("ln", x_h, dy_h, g_h, b_h, config=plans.config)
     far = (x_h.astype(np.float64) + 1000 * x_h.astype(np.float64).std()).astype(dt)
@@ -303,7 +303,7 @@ def test_cluster_and_row_sums_backward(plans, op, M, N, dt, wdt):
         cluster = plan.variant.startswith("bwd_cluster")
         info = _facts.device_info(cp.cuda.Device().id)
         cfg = plans.rows.bwd
-        npt, wide = cfg.cluster_npt, plan.spec.vec * dt.itemsize == 16
+        npt, wide = cfg.cluster_npt, plan.spec.wide
         fits = [t for t in _plan.cluster_sizes(cfg)
                 if N // plan.spec.vec <= t * npt * _plan.bwd_threads(npt)]
         # the widths clusters are built for: 16-byte vectors, single elements in 8 tiles
@@ -513,7 +513,7 @@ def test_few_long_forward_rows_in_parts(plans, op, M, N, dt, wdt, has_b):
         check_case(op, *case, config=plans.config)
         check_case(op, *case, layout=LAYOUTS["every other row"], config=plans.config)
         cfg = plans.rows.fwd
-        wide = [p.spec.vec * dt.itemsize == 16 for p in plans]  # parts: 16-byte vectors
+        wide = [p.spec.wide for p in plans]  # parts: 16-byte vectors (not float64's)
         held = [w and info.clusters and _fwd_cluster_tiles(cfg, info, op, M, N, p.spec.vec)
                 for p, w in zip(plans, wide, strict=True)]
         assert plans and all((p.variant == "fwd_parts") == (rows > 0 and w and not h)
@@ -539,7 +539,7 @@ def test_few_long_backward_rows_sum_in_parts(plans, op, M, N, dt, wdt):
             check_case(op, *case, deterministic=det, config=plans.config)
         long = [p for p in plans if "rowsums" in p.launch]
         assert long and all(("rowsums_merge" in p.launch) == (
-            rows > 0 and p.spec.vec * dt.itemsize == 16) for p in long)
+            rows > 0 and p.spec.wide) for p in long)
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
@@ -637,7 +637,7 @@ def test_partials_summed_in_the_last_block(plans, op, M, N, dt, wdt):
                                         (37, 33, BF16, F32), (5, 512, F16, F32),
                                         (8, 500, F32, F32), (3, 300, F64, F64),
                                         (60, 256, BF16, BF16), (8, 8192, F16, F16),
-                                        (16, 1024, F32, F32), (2, 1024, F64, F64),
+                                        (16, 1024, F32, F32), (2, 2048, F64, F64),
                                         (32, 1000, BF16, F32)])
 def test_cluster_sums(plans, op, M, N, dt, wdt):
     """Rows that fit in one cluster of bwd.csum_blocks blocks run there, and the blocks sum
@@ -692,8 +692,8 @@ def test_rows_peeled_where_vectors_do_not_fit(plans, op, M, N, dt, wdt, extra):
 
     case = inputs(M, N, dt, wdt)
     layout = (lambda a: padded(a, extra)) if extra else (lambda a: a)
-    wide = VEC[dt]  # float64: one element, never peeled
-    alike = wide > 1 and extra % wide == 0 and N % wide != 0 and N >= 2 * wide
+    wide = VEC[dt]
+    alike = tuned(dt, wide) and extra % wide == 0 and N % wide != 0 and N >= 2 * wide
     tiles = N // wide > 1024
     for pass_, long in (("fwd", N // wide >= 8 * wide),
                         ("bwd", 64 <= N // wide <= 1024 or tiles)):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cupyln import _layout, _plan, _tuning
 from cupyln._config import DEFAULT, Config
-from cupyln._dtypes import BFLOAT16, VEC, h_dtypes
+from cupyln._dtypes import BFLOAT16, VEC, h_dtypes, tuned
 
 FWD, BWD = _tuning.settings(DEFAULT, "sm_90").fwd, _tuning.settings(DEFAULT, "sm_90").bwd
 NO_PARTS = Config(tuning=dict(fwd_parts_rows=0, bwd_parts_rows=0))
@@ -95,6 +95,10 @@ def test_vector_width_divides_sizes_and_alignments(dtype, N, offset):
     v = _layout.vec_width(dtype, N, (N,), [(ptr, dtype.itemsize)])
     assert v in (VEC[dtype], 1) and N % v == 0 and ptr % (v * dtype.itemsize) == 0
     assert (v == VEC[dtype]) == (N % VEC[dtype] == 0 and ptr % (VEC[dtype] * dtype.itemsize) == 0)
+    n = _layout.vec_width(dtype, N, (N,), [(ptr, dtype.itemsize)], narrow=True)  # the backward's
+    assert n * dtype.itemsize <= 16 and N % n == 0 and ptr % (n * dtype.itemsize) == 0
+    assert n == max(w for w in (1, 2, 4, 8) if w <= VEC[dtype] and N % w == 0
+                    and ptr % (w * dtype.itemsize) == 0)
 
 
 @given(st.text(alphabet="pifd", min_size=1, max_size=20))
@@ -163,8 +167,9 @@ def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=
         clusters and not hip, hip, kernels=kernels,
         active_clusters=lambda k, cl, *a: at_once * (cl[0] * cl[1] <= most_blocks),
         resident_blocks=_fake_resident_blocks)
-    vec = _layout.vec_width(dtype, N, (N,), [])
-    peel = peel and vec < VEC[dtype]  # the calls' rule: rows 16-byte vectors do not fit
+    plain_bwd = pass_ == "bwd" and not residual and hdtype is None and not quant
+    vec = _layout.vec_width(dtype, N, (N,), [], narrow=plain_bwd)  # the calls' rule
+    peel = peel and vec < VEC[dtype] and tuned(dtype, VEC[dtype])  # and peelable's
     if hdtype is not None or quant:
         return _plan.plan_fwd.__wrapped__(info, config, dtype, dtype, is_ln, M, N,
                                           vec, hdtype, peel, quant), built
@@ -339,7 +344,7 @@ def _peeled_plan(pass_, dt, M, N, warp, hip, most, sure):
     fit, below 2 * VEC elements or past ``most`` vectors, or in float64; peeled where ``sure``.
     The plan where peeled, else None."""
     plan, built = _plan_without_gpu(pass_, dt, M, N, warp, hip=hip, peel=True)
-    wide = VEC[_dtype(dt)]
+    wide = VEC[_dtype(dt)] if tuned(_dtype(dt), VEC[_dtype(dt)]) else 1  # float64: never
     peeled = plan.variant in (f"{pass_}_peeled", "fwd_peeled_early", "fwd_peeled_staged",
                               "fwd_peeled_parts", "fwd_peeled_cluster", "fwd_peeled_chunked")
     if wide == 1 or N % wide == 0 or N < 2 * wide or N // wide > most:
@@ -993,24 +998,24 @@ class _Ptr(NamedTuple):
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 5000),
        st.lists(st.tuples(st.integers(0, 63), st.integers(0, 40)), min_size=1, max_size=3),
        st.lists(st.one_of(st.none(), st.integers(0, 63)), min_size=1, max_size=2),
-       st.booleans())
+       st.integers(1, 8))
 def test_rows_peel_where_inputs_and_outputs_start_alike_row_after_row(dt, N, inputs, outs_at,
-                                                                      single):
-    """Rows in single elements (``single``) where 16-byte vectors would run peel exactly
-    where each input's row r starts at the same offset within 16 bytes as each output's row r
-    (rows of N; allocated: 256-byte aligned), for every r: the rule the peeled kernels' heads
-    rely on (the fused add: y and h, or dx; x, the residual or dresidual, dy). float64 rows
-    never peel (one element is their vector)."""
+                                                                      vec):
+    """Narrower vectors than 16 bytes peel exactly where each input's row r starts at the same
+    offset within 16 bytes as each output's row r (rows of N; allocated: 256-byte aligned), for
+    every r: the rule the peeled kernels' heads rely on (the fused add: y and h, or dx; x, the
+    residual or dresidual, dy). float64 rows never peel (the general kernels alone)."""
     dtype = _dtype(dt)
     s, wide = dtype.itemsize, VEC[dtype]
-    vec = 1 if single else wide
+    vec = min(vec, wide)
     arrays = [(_Arr(_Ptr(4096 + off * s)), N + pad) for off, pad in inputs]
     outs = [None if at is None else _Arr(_Ptr(8192 + at * s)) for at in outs_at]
     starts = [0 if o is None else o.data.ptr for o in outs]
     alike = all((a.data.ptr + r * ld * s - (at + r * N * s)) % 16 == 0
                 for a, ld in arrays for at in starts for r in range(2 * wide))
     alike = alike and all((b - starts[0]) % 16 == 0 for b in starts)
-    assert _layout.peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike)
+    assert _layout.peelable(dtype, vec, N, arrays, outs) == (vec < wide and alike
+                                                             and dt != "float64")
 
 
 # The golden table: each benchmark shape's plans per architecture on the mocked devices (their
