@@ -652,10 +652,6 @@ def _cluster_plan(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, tiles, 
                                                stage)
         if resident and stages(config.stage, M > resident):
             main, smem, grid = "fwd_cluster_staged", stage, (resident, tiles)
-    full = main + "_full"  # LayerNorm's rows of whole chunks, as the direct rows'
-    if is_ln and full in kerns and cfg.full and N % (tiles * block[0] * npt * vec) == 0 \
-            and info.active_clusters(kerns[full], (1, tiles), block, smem):
-        main = full
     launch = {"fwd": Launch(kerns[main], grid, block, smem, _fwd_kinds(dtype, hdtype))}
     return Plan(spec, main, kerns[main], grid, block, smem, launch)
 

@@ -57,6 +57,12 @@ class Spec(NamedTuple):
         return tuned(self.dtype, self.vec)
 
     @property
+    def in_parts(self):
+        """16-byte vectors of any dtype: few long rows split over the grid (float64's too,
+        which would otherwise leave most of the GPU idle)."""
+        return self.vec * self.dtype.itemsize == 16
+
+    @property
     def large_cluster(self):
         """Clusters past the portable size (8 blocks on sm_90, more with an opt-in), built for
         rows of 16-byte vectors that a portable cluster cannot hold."""
@@ -151,10 +157,6 @@ class Spec(NamedTuple):
         # rows, each cluster alone) never are
         if self.stages and not h and self.npt > 1:
             names["fwd_cluster_staged"] = f"{a}, cln::one_chunk, cln::staged>"
-        if not h:  # rows of whole chunks: no column tests
-            for k in list(names):
-                stage = "cln::staged" if k.endswith("staged") else "cln::direct"
-                names[k + "_full"] = f"{a}, cln::one_chunk, {stage}, cln::cols_full>"
         return names
 
     def _fwd_add_names(self):
@@ -163,24 +165,22 @@ class Spec(NamedTuple):
         a = f"{t}, {w}, {CTYPES[self.hdtype]}, {self.vec}"
         names = {"fwd_add": f"norm_fwd_add<{a}, {self.npt}, {self.warp}>",
                  "fwd_add_chunked": f"norm_fwd_add_chunked<{a}, {self.warp}>"}
-        if self.wide:  # few long rows in parts over the grid, as the plain forward's
+        if self.in_parts:  # few long rows in parts over the grid, as the plain forward's
             names["fwd_parts"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_stats>"
             names["fwd_apply"] = f"norm_fwd_add_parts<{a}, {self.warp}, cln::part_apply>"
         return names
 
     def _fwd_row_names(self):
         """The row kernel: one chunk, threads fixed."""
-        row = f"norm_fwd_row<{self._vec_warp()}, {self.tpr}"
         npt = f", {self.npt}" if self.npt > 1 else ""
-        return {"fwd_row": f"{row}, cln::cols_tested{npt}>",
-                "fwd_row_full": f"{row}, cln::cols_full{npt}>"}
+        return {"fwd_row": f"norm_fwd_row<{self._vec_warp()}, {self.tpr}{npt}>"}
 
     def _fwd_rows_names(self):
         """Rows in one chunk (direct or staged), chunked rows, rows in parts."""
         fwd, base = f"norm_fwd<{self._args()}, cln::direct", self._vec_warp()
         names = {"fwd": f"{fwd}, cln::params_late, cln::cols_tested>",
                  "fwd_chunked": f"norm_fwd_chunked<{base}>"}
-        if self.wide:  # few long rows split over the grid, in two launches
+        if self.in_parts:  # few long rows split over the grid, in two launches
             names["fwd_parts"] = f"norm_fwd_parts<{base}, cln::part_stats>"
             names["fwd_apply"] = f"norm_fwd_parts<{base}, cln::part_apply>"
         if self.stages:
@@ -275,7 +275,7 @@ class Spec(NamedTuple):
         if self.large_cluster:  # for rows only it holds: its cluster kernels alone
             return {k: v for k, v in names.items()
                     if (self.wide and k.startswith("bwd_cluster")) or k.startswith("reduce")}
-        if self.wide:  # few long rows in parts over the grid
+        if self.in_parts:  # few long rows in parts over the grid
             names["rowsums_parts"] = f"norm_bwd_rowsums<{a}, 1, cln::in_parts>"
             names["rowsums_merge"] = self._rowsums_merge()
         return names

@@ -74,13 +74,13 @@ def test_same_code_tells_a_changed_kernel_from_the_same(monkeypatch, capsys):
     monkeypatch.setattr(same_code, "_git_reader", lambda rev: _compile._read)  # base: this tree
     args = ["BASE", "--arch", "compute_80", "--kernels", "norm_bwd_rowsums_merge"]
     assert same_code.main(args) == 0
-    assert "compute_80 norm_bwd_rowsums_merge: 1 of 1 the same" in capsys.readouterr().out
+    assert "compute_80 norm_bwd_rowsums_merge: 2 of 2 the same" in capsys.readouterr().out
     src = _compile.source()
     bound = src.rindex("__launch_bounds__(1024)", 0, src.index("norm_bwd_rowsums_merge("))
     changed = src[:bound] + src[bound:].replace("(1024)", "(512)", 1)
     monkeypatch.setattr(_compile, "source", lambda: changed)
     assert same_code.main(args) == 1
-    assert "compute_80 norm_bwd_rowsums_merge: 0 of 1 the same" in capsys.readouterr().out
+    assert "compute_80 norm_bwd_rowsums_merge: 0 of 2 the same" in capsys.readouterr().out
 
 
 def test_spills_reads_ptxas_report_and_tells_what_changed(monkeypatch, capsys):

@@ -695,13 +695,12 @@ __global__ void __launch_bounds__(1024) norm_fwd_add_chunked(CLN_FWD_ADD_PARAMS)
 // the cluster, read twice, is not built: few rows past a cluster run in parts, norm_fwd_parts.)
 // STAGE: resident clusters loop over rows, each block copying its part of the next row into
 // shared memory while it reduces this one, so the exchanges' latency overlaps the loads. Built
-// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster, direct). FULL: rows that are a
-// whole number of the cluster's chunks (LayerNorm's, as the direct rows').
+// for 16-byte vectors, as the fused add's (norm_fwd_add_cluster, direct).
 template <typename T, typename W, int VEC, int NPT, int WARP, int CL, bool CHUNKED,
-          bool STAGE = false, bool FULL = false>
+          bool STAGE = false>
 __global__ void __launch_bounds__(1024)
 CLN_CLUSTER_DIMS(1, CL, 1) norm_fwd_cluster(CLN_FWD_PARAMS) {
-  fwd_rows<CHUNKED, STAGE, false, T, W, VEC, NPT, WARP, FULL, T, false, CL>(CLN_FWD_ARGS);
+  fwd_rows<CHUNKED, STAGE, false, T, W, VEC, NPT, WARP, false, T, false, CL>(CLN_FWD_ARGS);
 }
 
 template <typename T, typename W, typename H, int VEC, int NPT, int WARP, int CL,
@@ -963,7 +962,7 @@ norm_fwd_add_parts(CLN_FWD_ADD_PARAMS, typename Acc<T>::type* __restrict__ part)
 // blockDim.y threads (one row per block where TPR is more than a warp) in a grid of exactly
 // ceil(M / blockDim.y) blocks. y's offsets are 32-bit: the planner takes this kernel only where
 // M * N < 2^31.
-template <typename T, typename W, int VEC, int WARP, int TPR, bool FULL, int NPT = 1>
+template <typename T, typename W, int VEC, int WARP, int TPR, int NPT = 1>
 __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_PARAMS) {
   typedef typename Acc<T>::type C;
   const bool ln = is_ln<cln::either_norm>(mean_out);
@@ -972,9 +971,9 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
   const bool valid = !MANY || row < M;
   typename Held<W, VEC>::type hg[NPT], hb[NPT];
   Pack<T, VEC> raw[NPT];
-  load_packs<VEC, NPT, FULL>(gamma, 0, N, gamma != nullptr, hg);
-  load_packs<VEC, NPT, FULL>(beta, 0, N, beta != nullptr, hb);
-  load_packs<VEC, NPT, FULL>(x + (cl_i64)(valid ? row : 0) * ldx, 0, N, valid, raw);
+  load_packs<VEC, NPT>(gamma, 0, N, gamma != nullptr, hg);
+  load_packs<VEC, NPT>(beta, 0, N, beta != nullptr, hb);
+  load_packs<VEC, NPT>(x + (cl_i64)(valid ? row : 0) * ldx, 0, N, valid, raw);
   const cl_i64 rows = blockDim.y;
   const bool grid_ok = MANY ? gridDim.x * rows >= M && (gridDim.x - 1) * rows < M
                             : blockDim.y == 1 && (cl_i64)gridDim.x == M;
@@ -984,7 +983,7 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
   for (int k = 0; k < NPT; ++k) to_row(raw[k], p[k]);
   const C inv_n = cl_inv_count(C(0), N);
   C n = C(0), mean = C(0), m2 = C(0);
-  chunk_stats<false, WARP, VEC, NPT, FULL, TPR, 1>(ln, p, 0, 0, N, (cl_i64)TPR * NPT * VEC, 0,
+  chunk_stats<false, WARP, VEC, NPT, false, TPR, 1>(ln, p, 0, 0, N, (cl_i64)TPR * NPT * VEC, 0,
                                                        inv_n, n, mean, m2);
   const C mu = ln ? mean : C(0);
   const C rstd = cl_rsqrt(m2 * inv_n + eps);
@@ -994,6 +993,6 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
     rstd_out[row] = (float)rstd;
   }
   // one code path for the output: faster than the four cases
-  write_chunk<true, VEC, NPT, FULL, true>(p, 0, (int)N, mu, rstd, gamma, beta,
+  write_chunk<true, VEC, NPT, false, true>(p, 0, (int)N, mu, rstd, gamma, beta,
                                           y + row * (int)N, hg, hb);
 }
