@@ -22,7 +22,8 @@ class Config:
     stage: str = "auto"
     # Thread-block clusters (sm_90 on) for rows longer than one block; off: chunks read twice.
     cluster: bool = True
-    # Rows 16-byte vectors do not fit: heads and tails peeled off; off: single elements.
+    # Rows 16-byte vectors do not fit: heads and tails peeled off; off: the forward reads them
+    # one element at a time, the backward in narrower vectors.
     peel: bool = True
     # dgamma/dbeta of non-deterministic calls by float32 atomics instead of per-block partials.
     atomic_flush: bool = False
