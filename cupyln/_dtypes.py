@@ -43,21 +43,23 @@ def kernel_param_dtype(x_dtype, w_dtype):
 VEC = {FLOAT16: 8, BFLOAT16: 8, FLOAT32: 4, FLOAT64: 2}
 
 
-def vec_options(dtype, backward=True):
-    """Vector widths (elements) the kernels are built for: 16 bytes, and for rows it does not
-    divide, narrower ones in the backward (where peeled rows need many rows), one element in
-    the forward (which peels rows off the vector wherever x's and y's rows start alike)."""
+def vec_options(dtype, narrow=True):
+    """Vector widths (elements) the kernels are built for, widest first: 16 bytes, and for rows
+    it does not divide, with ``narrow`` every narrower width (the plain backward's: its peeled
+    rows need many rows), else one element (the forward peels rows off the vector wherever
+    x's and y's rows start alike; the fused add's backward)."""
     v, out = VEC[dtype], []
     while v >= 1:
         out.append(v)
         v //= 2
-    return out if backward else list(dict.fromkeys((out[0], 1)))
+    return out if narrow else list(dict.fromkeys((out[0], 1)))
 
 
 def tuned(dtype, vec):
     """Whether rows of ``dtype`` in vectors of ``vec`` take the tuned kernel families (clusters,
-    shared-memory rows, the row kernel, parts, peeled rows, float8 with its norm fixed): 16-byte
-    vectors of the dtypes models train in; float64, a checking dtype, takes the general ones."""
+    shared-memory rows, the row kernel, staging, peeled rows, float8 with its norm fixed):
+    16-byte vectors of the dtypes models train in; float64, a checking dtype, takes the
+    general ones (and parts over the grid: Spec.in_parts)."""
     return vec == VEC[dtype] and dtype != FLOAT64
 
 

@@ -428,7 +428,8 @@ def backward(dy, x, gamma, mean, rstd, k, need_dx, need_dgamma, need_dbeta, dete
         # vector accesses: x, dy, dx, dresidual and gamma (dgamma/dbeta are per element)
         ptrs += [(p.data.ptr, p.itemsize) for p in (g2, out and out[0], drr) if p is not None]
         lds = (ldx, lddy) + ((ldres,) if drr is not None else ())
-        vec = vec_width(x.dtype, N, lds, ptrs, narrow=drr is None)  # the fused add's: no
+        # narrower vectors for the plain backward; the fused add's: 16 bytes or one element
+        vec = vec_width(x.dtype, N, lds, ptrs, narrow=drr is None)
         dx = out[0] if out else None
         inputs = [(xr, ldx), (dyr, lddy)] + ([(drr, ldres)] if drr is not None else [])
         peel = peelable(x.dtype, vec, N, inputs, [dx])

@@ -806,7 +806,7 @@ def _plan_bwd_peeled(config, info, dtype, wdtype, M, N, residual=False):
     16-byte vectors (at least 2 * VEC threads), where M gives each resident block
     ``peel_rows`` rows; rows longer than one block on column tiles after their row sums (those
     of at most ``sms * parts_rows`` rows in parts over the grid), where each row of tiles
-    takes ``peel_tile_rows`` rows or is alone. None elsewhere (single elements then).
+    takes ``peel_tile_rows`` rows or is alone. None elsewhere (narrower vectors then).
     ``residual``: the same plans on the kernels that add the fused add's dresidual to dx."""
     cfg, wp = config.bwd, info.warp
     vec = VEC[dtype]
