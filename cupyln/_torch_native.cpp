@@ -7,6 +7,7 @@
 // recipe for the next ones. Built on first use by torch.utils.cpp_extension; no CUDA headers.
 
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -14,6 +15,7 @@
 
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 
@@ -448,6 +450,116 @@ variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
   return AddNorm::apply(x, residual, weight, bias, k, eps, is_ln, woff, hdtype, det);
 }
 
+// ---------------------------------------------------------------------------- the custom ops
+//
+// CUDA kernels of cupyln's custom ops (defined by cupyln.torch; torch.compile's graphs call
+// them): the passes above in place of the ops' Python implementations, which still take a call
+// whose shapes do not hold together, to name what is wrong. Gradients not asked for come back
+// as 0-element tensors, as the ops' schemas have it.
+
+py::object* py_ops = nullptr;  // the ops' Python implementations, a dict by op name
+std::unique_ptr<torch::Library> ops_library;
+
+using Two = std::tuple<at::Tensor, at::Tensor>;
+using Three = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Four = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+template <typename Out, typename... Args>
+Out python_op(const char* name, const Args&... args) {
+  py::gil_scoped_acquire gil;
+  return (*py_ops)[name](args...).template cast<Out>();
+}
+
+std::vector<int64_t> ints(c10::SymIntArrayRef shape) {
+  std::vector<int64_t> v;
+  for (const auto& s : shape) v.push_back(s.expect_int());
+  return v;
+}
+
+Three ln_fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& w,
+                const c10::optional<at::Tensor>& b, c10::SymIntArrayRef shape, double eps,
+                bool det, double woff) {
+  auto s = ints(shape);
+  int64_t k = fits(x, s);
+  if (!k) return python_op<Three>("layer_norm_fwd", x, w, b, s, eps, det, woff);
+  auto o = forward_pass(x, opt(w), opt(b), at::Tensor(), k, eps, true, woff, c10::nullopt);
+  return {o[0], o[1], o[2]};
+}
+
+Two rms_fwd_op(const at::Tensor& x, const c10::optional<at::Tensor>& w,
+               c10::SymIntArrayRef shape, double eps, bool det, double woff) {
+  auto s = ints(shape);
+  int64_t k = fits(x, s);
+  if (!k) return python_op<Two>("rms_norm_fwd", x, w, s, eps, det, woff);
+  auto o = forward_pass(x, opt(w), at::Tensor(), at::Tensor(), k, eps, false, woff, c10::nullopt);
+  return {o[0], o[2]};
+}
+
+Four add_ln_fwd_op(const at::Tensor& x, const at::Tensor& r, const c10::optional<at::Tensor>& w,
+                   const c10::optional<at::Tensor>& b, c10::SymIntArrayRef shape, double eps,
+                   c10::optional<at::ScalarType> hdtype, double woff, bool det) {
+  auto s = ints(shape);
+  int64_t k = fits(x, s);
+  if (!k) return python_op<Four>("add_layer_norm_fwd", x, r, w, b, s, eps, hdtype, woff, det);
+  auto o = forward_pass(x, opt(w), opt(b), r, k, eps, true, woff, hdtype);
+  return {o[0], o[1], o[2], o[3]};
+}
+
+Three add_rms_fwd_op(const at::Tensor& x, const at::Tensor& r, const c10::optional<at::Tensor>& w,
+                     c10::SymIntArrayRef shape, double eps, c10::optional<at::ScalarType> hdtype,
+                     double woff, bool det) {
+  auto s = ints(shape);
+  int64_t k = fits(x, s);
+  if (!k) return python_op<Three>("add_rms_norm_fwd", x, r, w, s, eps, hdtype, woff, det);
+  auto o = forward_pass(x, opt(w), at::Tensor(), r, k, eps, false, woff, hdtype);
+  return {o[0], o[2], o[3]};
+}
+
+at::Tensor filled(const at::Tensor& g, const at::Tensor& x) {
+  return g.defined() ? g : at::empty({0}, x.options());
+}
+
+Three ln_bwd_op(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& w,
+                const at::Tensor& mean, const at::Tensor& rstd, bool need_dx, bool need_dw,
+                bool need_db, bool det, const c10::optional<at::Tensor>& dres, double woff) {
+  int64_t k = x.dim() - rstd.dim();
+  if (k < 1)
+    return python_op<Three>("layer_norm_bwd", dy, x, w, mean, rstd, need_dx, need_dw, need_db,
+                            det, dres, woff);
+  at::Tensor wt = opt(w);
+  auto g = backward_pass(dense(dy), x, wt, mean, rstd, dres ? dense(*dres) : at::Tensor(), k,
+                         true, woff, det, need_dx, need_dw && wt.defined(), need_db);
+  return {filled(g[0], x), filled(g[1], x), filled(g[2], x)};
+}
+
+Two rms_bwd_op(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& w,
+               const at::Tensor& rstd, bool need_dx, bool need_dw, bool det,
+               const c10::optional<at::Tensor>& dres, double woff) {
+  int64_t k = x.dim() - rstd.dim();
+  if (k < 1)
+    return python_op<Two>("rms_norm_bwd", dy, x, w, rstd, need_dx, need_dw, det, dres, woff);
+  at::Tensor wt = opt(w);
+  auto g = backward_pass(dense(dy), x, wt, at::Tensor(), rstd, dres ? dense(*dres) : at::Tensor(),
+                         k, false, woff, det, need_dx, need_dw && wt.defined(), false);
+  return {filled(g[0], x), filled(g[1], x)};
+}
+
+// Registers the kernels above for CUDA tensors, once; ``impls``: the ops' Python
+// implementations by name. A kernel whose signature disagrees with its op's schema throws here.
+void register_ops(py::object impls) {
+  if (ops_library) return;
+  py_ops = new py::object(std::move(impls));
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "cupyln",
+                                              c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  lib->impl("layer_norm_fwd", TORCH_FN(ln_fwd_op));
+  lib->impl("rms_norm_fwd", TORCH_FN(rms_fwd_op));
+  lib->impl("add_layer_norm_fwd", TORCH_FN(add_ln_fwd_op));
+  lib->impl("add_rms_norm_fwd", TORCH_FN(add_rms_fwd_op));
+  lib->impl("layer_norm_bwd", TORCH_FN(ln_bwd_op));
+  lib->impl("rms_norm_bwd", TORCH_FN(rms_bwd_op));
+  ops_library = std::move(lib);
+}
+
 void set_python(py::object fwd, py::object bwd) {
   delete py_forward;
   delete py_backward;
@@ -473,6 +585,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_norm", &add_norm, "(y, h): the norm of h = x + residual, and h; () where x does "
         "not end in the shape");
   m.def("set_python", &set_python, "the Python layer's forward and backward calls");
+  m.def("register_ops", &register_ops, "the custom ops' CUDA kernels, given their Python "
+        "implementations by name");
   m.def("clear", &clear, "forget every recipe");
   m.def("size", &size, "recipes kept");
 }

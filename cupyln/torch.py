@@ -245,6 +245,7 @@ def _build_native():
             mod = load_inline("cupyln_torch_native", cpp_sources=[src], extra_cflags=["-O2"],
                               build_directory=folder)
         mod.set_python(_native_forward, _native_backward)
+        mod.register_ops(_OP_IMPLS)  # torch.compile's graphs then call the ops' C++ kernels
         _NATIVE = mod
         _NATIVE_BUILD.pop("error", None)  # a wait that gave up before the build ended
     except Exception as e:  # no compiler, no Python headers: the Python layer stays
@@ -485,6 +486,7 @@ def _rms_bwd_fake(dy, x, weight, rstd, need_dx, need_dweight, deterministic, dre
 
 
 _LIB = torch.library.Library("cupyln", "DEF")
+_OP_IMPLS = {}  # the ops' Python implementations by name (the C++ layer's kernels fall back on)
 
 
 def _op(name, impl, fake):
@@ -494,6 +496,7 @@ def _op(name, impl, fake):
     the outputs' aliasing on every call (host time that compiled models pay per norm)."""
     _LIB.define(name + torch.library.infer_schema(impl, mutates_args=()))
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    _OP_IMPLS[name] = impl
     op = getattr(torch.ops.cupyln, name).default
     torch.library.register_fake(op, fake, lib=_LIB)
     return op

@@ -190,6 +190,42 @@ def test_a_normalized_shape_that_does_not_fit_is_a_value_error(native):
         ct.layer_norm(x, (4, 32))
 
 
+@gpu
+def test_custom_ops_run_cpp_kernels_with_the_python_implementations_bits(native):
+    """The custom ops (what torch.compile's graphs call) have C++ kernels for CUDA tensors,
+    which give their Python implementations' bits, forward and backward, both norms and the
+    fused add (h in float32 too), on the first call (recipe handed back) and the next (recipe
+    run); gradients not asked for as 0-element tensors. A shape x does not end in, or
+    statistics of the wrong shape, still get the Python layer's ValueError."""
+    ops = torch.ops.cupyln
+    x = torch.randn(6, 512, device="cuda", dtype=torch.bfloat16)
+    r, dy = torch.randn_like(x), torch.randn_like(x)
+    w, b = (torch.randn(512, device="cuda") for _ in range(2))
+    y, mean, rstd = ops.layer_norm_fwd(x, w, b, [512], 1e-5, True, 0.0)
+    calls = [
+        ("layer_norm_fwd", (x, w, b, [512], 1e-5, True, 0.0)),
+        ("rms_norm_fwd", (x, w, [512], 1e-5, True, 1.0)),
+        ("add_layer_norm_fwd", (x, r, w, b, [512], 1e-5, torch.float32, 0.0, True)),
+        ("add_rms_norm_fwd", (x, r, None, [512], 1e-5, None, 0.0, True)),
+        ("layer_norm_bwd", (dy, x, w, mean, rstd, True, True, True, True, None, 0.0)),
+        ("layer_norm_bwd", (dy, x, w, mean, rstd, False, True, False, True, r, 0.0)),
+        ("rms_norm_bwd", (dy, x, w, rstd, True, True, True, r, 1.0)),
+        ("rms_norm_bwd", (dy, x, None, rstd, True, False, True, None, 0.0)),
+    ]
+    for name, args in calls:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cupyln::{name}", "CUDA")
+        want = ct._OP_IMPLS[name](*args)
+        for _ in range(2):
+            got = getattr(ops, name)(*args)
+            assert all(a.dtype == c.dtype and torch.equal(a, c)
+                       for a, c in zip(got, want, strict=True)), name
+    with pytest.raises(ValueError, match=r"normalized_shape has shape \(511,\)"):
+        ops.layer_norm_fwd(x, w, b, [511], 1e-5, True, 0.0)
+    with pytest.raises(ValueError, match="rstd has shape"):
+        ops.rms_norm_bwd(dy, x, w, torch.zeros_like(x, dtype=torch.float32), True, True, True,
+                         None, 0.0)
+
+
 def test_without_a_compiler_the_python_layer_runs(monkeypatch, tmp_path):
     """A build that fails warns once and leaves the Python layer (CPU tensors here)."""
     import torch.utils.cpp_extension as ext
@@ -224,7 +260,7 @@ def test_the_lock_of_a_build_killed_midway_does_not_stop_the_next(monkeypatch, t
     def build(name, cpp_sources, extra_cflags, build_directory):
         seen["folder"] = build_directory
         seen["lock left"] = (tmp_path / build_directory / "lock").exists()
-        return types.SimpleNamespace(set_python=lambda *fns: None)
+        return types.SimpleNamespace(set_python=lambda *fns: None, register_ops=lambda impls: None)
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with ct._build_folder() as folder:  # a build that was killed: torch's lock file stays
@@ -247,7 +283,7 @@ def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch, tm
     import torch.utils.cpp_extension as ext
 
     release = threading.Event()
-    built = types.SimpleNamespace(set_python=lambda *fns: None)
+    built = types.SimpleNamespace(set_python=lambda *fns: None, register_ops=lambda impls: None)
 
     def stuck(*a, **kw):
         release.wait(10)
