@@ -208,7 +208,7 @@ def test_custom_ops_run_cpp_kernels_with_the_python_implementations_bits(native)
         ("add_layer_norm_fwd", (x, r, w, b, [512], 1e-5, torch.float32, 0.0, True)),
         ("add_rms_norm_fwd", (x, r, None, [512], 1e-5, None, 0.0, True)),
         ("layer_norm_bwd", (dy, x, w, mean, rstd, True, True, True, True, None, 0.0)),
-        ("layer_norm_bwd", (dy, x, w, mean, rstd, False, True, False, True, r, 0.0)),
+        ("layer_norm_bwd", (dy, x, w, mean, rstd, True, False, True, True, r, 0.0)),
         ("rms_norm_bwd", (dy, x, w, rstd, True, True, True, r, 1.0)),
         ("rms_norm_bwd", (dy, x, None, rstd, True, False, True, None, 0.0)),
     ]
