@@ -84,16 +84,46 @@ def test_float8_outputs_match_the_reference_within_float32s_error(op, f8, static
         assert np.array_equal(got[-1], want[-1])
 
 
+@pytest.mark.parametrize("f8", list(F8))
 @pytest.mark.parametrize("bad", [0.0, -1.0, np.inf, np.nan])
-def test_a_device_scale_that_is_not_finite_and_positive_gives_nan(bad):
+def test_a_device_scale_that_is_not_finite_and_positive_gives_nan(bad, f8):
     """A CuPy y_scale is not read back: where it is not finite and above 0, every element of y_q
-    is NaN (never a silently scaled y), and amax is still y's."""
-    x = cp.asarray(host((64, 1024), BF16, 0))
-    yq, mean, rstd, amax = cupyln.layer_norm_fwd(x, y_dtype="float8_e4m3fn",
+    is NaN with the NumPy path's bits (never a silently scaled y), and amax is still y's."""
+    xh = host((64, 1024), BF16, 0)
+    x = cp.asarray(xh)
+    yq, mean, rstd, amax = cupyln.layer_norm_fwd(x, y_dtype=f8,
                                                  y_scale=cp.array([bad], cp.float32))
-    assert np.isnan(yq.get().view(E4M3).astype(np.float32)).all()
+    assert np.isnan(yq.get().view(F8[f8]).astype(np.float32)).all()
+    want = cupyln.layer_norm_fwd(xh, y_dtype=f8, y_scale=np.array([bad], np.float32))[0]
+    assert np.array_equal(yq.get(), want.view(np.uint8))
     y, _, _ = cupyln.layer_norm_fwd(x)
     assert float(amax[0]) == pytest.approx(float(cp.abs(y.astype(cp.float32)).max()), rel=1e-2)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("f8", list(F8))
+@pytest.mark.parametrize("static", [False, True], ids=["per-row", "static"])
+@pytest.mark.parametrize("wdt", [BF16, F32], ids=str)
+@pytest.mark.parametrize("N", [1024, 1023])
+def test_nans_keep_the_numpy_paths_bits(op, f8, static, wdt, N):
+    """A NaN in x (its whole row NaN) and in gamma (its column NaN): those codes are the NumPy
+    path's NaN bits (ml_dtypes', e5m2's 0x7e), the scales are the other elements' (NaN
+    ignored: 1 for a row of NaNs), and the rest match as in the test above."""
+    x = host((64, N), BF16, 0, 0.7, 0.3)
+    g = host((N,), BF16, 1, 0.3, 1.0).astype(wdt)
+    b = host((N,), BF16, 2, 0.2).astype(wdt)
+    x[3, 5] = g[7] = np.nan
+    fn, args = (cupyln.layer_norm_fwd, (x, g, b)) if op == "ln" else (cupyln.rms_norm_fwd,
+                                                                       (x, g))
+    s = np.array([0.02], np.float32) if static else None
+    want = fn(*args, y_dtype=f8, y_scale=s)
+    got = [a.get() for a in fn(*map(cp.asarray, args), y_dtype=f8,
+                               y_scale=None if s is None else cp.asarray(s))]
+    nan = np.isnan(want[0].astype(np.float32))
+    assert nan[3].all() and nan[:, 7].all() and nan.sum() == N + 63
+    assert np.array_equal(got[0][nan], want[0].view(np.uint8)[nan])
+    assert (_codes(got[0][~nan]) != _codes(want[0].view(np.uint8)[~nan])).mean() < 0.01
+    np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5)
 
 
 def test_rows_one_block_does_not_hold_are_refused_before_any_work():

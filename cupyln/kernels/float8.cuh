@@ -36,10 +36,12 @@ __device__ __forceinline__ unsigned char cl_float8(float v, bool e5m2) {
 // Two float8 codes, a's in the low byte and b's in the high one: from the hardware's conversion
 // where there is one (sm_89 on: one instruction for two, where cl_float8 takes about a dozen),
 // which rounds and saturates as cl_float8 does; its NaN's bits are not ml_dtypes' (the sign, and
-// e5m2's 0x7e), so a pair holding a NaN takes cl_float8.
-template <bool E5M2> __device__ __forceinline__ unsigned cl_float8x2(float a, float b) {
+// e5m2's 0x7e), so a pair holding a NaN takes cl_float8. NANS = false: the caller knows neither
+// is NaN (no test).
+template <bool E5M2, bool NANS = true>
+__device__ __forceinline__ unsigned cl_float8x2(float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(CLN_HIP)
-  if (a == a && b == b) {
+  if (!NANS || (a == a && b == b)) {
     unsigned short r;  // cvt's first source goes to the high byte
     if constexpr (E5M2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
     else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
@@ -47,6 +49,17 @@ template <bool E5M2> __device__ __forceinline__ unsigned cl_float8x2(float a, fl
   }
 #endif
   return cl_float8(a, E5M2) | (unsigned)cl_float8(b, E5M2) << 8;
+}
+
+// max(a, b), NaN where either is NaN (fmaxf's opposite).
+__device__ __forceinline__ float cl_max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(CLN_HIP)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a || b != b ? a + b : fmaxf(a, b);
+#endif
 }
 
 // Quotients a / d of one divisor, correctly rounded (as IEEE division), without CUDA's division

@@ -155,15 +155,15 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 }
 
 // A vector of y / scale in float8 (divide: a float -> float quotient), two elements a
-// conversion.
-template <bool E5M2, int VEC, typename C, typename D>
+// conversion. NANS: as cl_float8x2's.
+template <bool E5M2, bool NANS, int VEC, typename C, typename D>
 __device__ __forceinline__ Pack<unsigned char, VEC> float8_pack(const C (&o)[VEC], D divide) {
   Pack<unsigned char, VEC> q;
 #pragma unroll
   for (int j = 0; j < VEC; j += 2) {
     const bool two = j + 1 < VEC;
-    const unsigned b = cl_float8x2<E5M2>(divide((float)o[j]),
-                                         two ? divide((float)o[two ? j + 1 : j]) : 0.0f);
+    const unsigned b = cl_float8x2<E5M2, NANS>(divide((float)o[j]),
+                                               two ? divide((float)o[two ? j + 1 : j]) : 0.0f);
     q.v[j] = (unsigned char)b;
     if (two) q.v[j + 1] = (unsigned char)(b >> 8);
   }
@@ -176,7 +176,8 @@ __device__ __forceinline__ Pack<unsigned char, VEC> float8_pack(const C (&o)[VEC
 // float8_e5m2 (else e4m3fn); bit 1: one static scale *yscale (NaN out where it is not finite or
 // not above 0), else each row's amax / fmax (1 where 0), stored to qscale[row]. Returns the
 // row's amax (0 for an invalid row).
-template <bool HELD, int VEC, int NPT, int WARP, typename W, typename C, typename R, typename H>
+template <bool HELD, int VEC, int NPT, int WARP, int NORM, typename W, typename C, typename R,
+          typename H>
 __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu, C rstd,
                                                  const W* __restrict__ gamma,
                                                  const W* __restrict__ beta, const H (&hg)[NPT],
@@ -185,39 +186,54 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
                                                  float* __restrict__ qscale,
                                                  const float* __restrict__ yscale, int qflags,
                                                  int phase) {
-  float m[1] = {0.0f};
+  // This thread's largest |y| and, where 16-byte vectors run, whether one of its y is NaN
+  // (one more instruction an element): only then are its codes tested for NaN one pair at a
+  // time. Single elements, and LayerNorm's 16-bit rows with float32 gamma and beta, test every
+  // pair: the flag's registers halved the blocks of the first and spilled in the second.
+  constexpr bool FLAGGED = VEC > 1 && (NORM == cln::rmsnorm || sizeof(W) * VEC <= 16);
+  float m[1] = {0.0f}, n = 0.0f;
   if (valid)
     chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
                                          [&](int, int, const C (&o)[VEC]) {
 #pragma unroll
-                                           for (int j = 0; j < VEC; ++j)
+                                           for (int j = 0; j < VEC; ++j) {
                                              m[0] = fmaxf(m[0], fabsf((float)o[j]));
+                                             if (FLAGGED) n = cl_max_nan(n, (float)o[j]);
+                                           }
                                          });
+  bool nans = !FLAGGED || n != n;
   row_allreduce<WARP, 0, ClMax>(m, phase);
   if (!valid) return 0.0f;
   const bool e5m2 = qflags & 1;
+  const float inf = __uint_as_float(0x7f800000u);
   float scale;
   if (qflags & 2) {
     scale = *yscale;
-    const bool usable = scale > 0.0f && scale < __uint_as_float(0x7f800000u);  // finite, > 0
+    const bool usable = scale > 0.0f && scale < inf;  // finite, > 0
     if (!usable) scale = __uint_as_float(0x7fc00000u);  // NaN: every quotient NaN
   } else {
     scale = m[0] > 0.0f ? ClDivisor(e5m2 ? 57344.0f : 448.0f)(m[0]) : 1.0f;
     if (threadIdx.x == 0) qscale[row] = scale;
   }
+  // quotients by an unusable static scale, and infinities over an infinite one, are NaN too
+  nans = nans || !(scale < inf) || !(m[0] < inf);
   // y computed again rather than held from the first pass: a chunk of float32s held across
   // the reduction spilled registers. The format is chosen once, not per element.
-  auto store = [&](auto e5m2_, auto divide) {
-    chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
-                                         [&](int, int col, const C (&o)[VEC]) {
-                                           *reinterpret_cast<Pack<unsigned char, VEC>*>(
-                                               yq + row * N + col) =
-                                               float8_pack<decltype(e5m2_)::value>(o, divide);
-                                         });
+  auto store = [&](auto e5m2_, auto nans_) {
+    const ClReciprocal divide{ClDivisor(scale)};
+    chunk_outputs<HELD, VEC, NPT, false>(
+        p, 0, N, mu, rstd, gamma, beta, hg, hb, [&](int, int col, const C (&o)[VEC]) {
+          *reinterpret_cast<Pack<unsigned char, VEC>*>(yq + row * N + col) =
+              float8_pack<decltype(e5m2_)::value, decltype(nans_)::value>(o, divide);
+        });
   };
-  const ClReciprocal divide{ClDivisor(scale)};
-  if (e5m2) store(BoolC<true>(), divide);
-  else store(BoolC<false>(), divide);
+  if (nans) {
+    if (e5m2) store(BoolC<true>(), BoolC<true>());
+    else store(BoolC<false>(), BoolC<true>());
+  } else {
+    if (e5m2) store(BoolC<true>(), BoolC<false>());
+    else store(BoolC<false>(), BoolC<false>());
+  }
   return m[0];
 }
 
@@ -324,7 +340,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       rstd_out[row] = (float)rstd;
     }
     if constexpr (QUANT) {
-      amax = fmaxf(amax, write_quantized<EARLY, VEC, NPT, WARP>(
+      amax = fmaxf(amax, write_quantized<EARLY, VEC, NPT, WARP, NORM>(
                              p, (int)N, mu, rstd, gamma, beta, hg, hb, valid, row, y, qscale,
                              yscale, qflags, phase));
     } else {
