@@ -48,7 +48,7 @@ run() {  # name, command...
 
 # The tests and fuzz stages run in TEST_WORKERS processes on the one GPU (pytest-xdist, where
 # installed; 0: one process). Most of the suite's time is NVRTC compiling the specializations
-# the tests reach, on one CPU core per process (one process: close to a device call's 600 s).
+# the tests reach, on one CPU core per process (one process: about ten minutes).
 workers=()
 if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
   workers=(-n "${TEST_WORKERS:-8}")
