@@ -445,12 +445,24 @@ int64_t fits(const at::Tensor& x, const std::vector<int64_t>& shape) {
   return ok ? k : 0;
 }
 
+// Whether autograd records a call: grad mode on and an input that requires grad. Otherwise the
+// pass runs without an autograd node, as torch's own operations do.
+bool recorded(std::initializer_list<at::Tensor> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& t : ts)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
 c10::optional<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                const c10::optional<at::Tensor>& bias,
                                const std::vector<int64_t>& shape, double eps, bool is_ln,
                                double woff, bool det) {
   int64_t k = fits(x, shape);
   if (!k) return c10::nullopt;
+  if (!recorded({x, opt(weight), opt(bias)}))
+    return forward_pass(x, opt(weight), opt(bias), at::Tensor(), k, eps, is_ln, woff,
+                        c10::nullopt)[0];
   return Norm::apply(x, weight, bias, k, eps, is_ln, woff, det);
 }
 
@@ -461,6 +473,10 @@ variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
                        c10::optional<at::ScalarType> hdtype, bool det) {
   int64_t k = fits(x, shape);
   if (!k) return {};
+  if (!recorded({x, residual, opt(weight), opt(bias)})) {
+    auto out = forward_pass(x, opt(weight), opt(bias), residual, k, eps, is_ln, woff, hdtype);
+    return {out[0], out[3]};
+  }
   return AddNorm::apply(x, residual, weight, bias, k, eps, is_ln, woff, hdtype, det);
 }
 

@@ -162,6 +162,24 @@ def test_transposed_head_views_give_torchs_values_on_the_cpu():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_calls_autograd_does_not_record_make_no_node():
+    """Without grad mode, or without an input that requires grad, the C++ layer runs the pass
+    without an autograd node (as torch's operations do); with one, the node is there. On the
+    CPU where the layer builds."""
+    if ct._native_wait() is None:
+        pytest.skip(f"the C++ layer did not build here: {ct._NATIVE_BUILD.get('error')}")
+    x, r = torch.randn(4, 64), torch.randn(4, 64)
+    w = torch.randn(64, requires_grad=True)
+    with torch.no_grad():
+        y, (y2, h) = ct._NATIVE.norm(x, w, None, [64], 1e-6, False, 0.0, False), \
+            ct._NATIVE.add_norm(x, r, w, None, [64], 1e-6, False, 0.0, None, False)
+    assert y.grad_fn is None and y2.grad_fn is None and h.grad_fn is None
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), w.detach(), 1e-6))
+    torch.testing.assert_close(h, x + r)
+    assert ct._NATIVE.norm(x, w.detach(), None, [64], 1e-6, False, 0.0, False).grad_fn is None
+    assert ct._NATIVE.norm(x, w, None, [64], 1e-6, False, 0.0, False).grad_fn is not None
+
+
 @gpu
 def test_a_weight_offset_stays_in_cpp(native):
     """Gemma's (1 + weight): after the first call of a signature, no call reaches the Python
