@@ -318,14 +318,15 @@ _PLAIN_OR_NONE = frozenset((*_PLAIN, type(None)))  # a set's test of the types: 
 
 
 def _native_takes(x, *params):
-    """Whether the C++ layer takes the call: built, eager, CUDA tensors of torch's own type
-    (no tensor subclass, no functorch transform); starts its build on a first CUDA call."""
+    """Whether the C++ layer takes an eager call (its callers test for compiling): built, CUDA
+    tensors of torch's own type (no tensor subclass, no functorch transform); starts its build
+    on a first CUDA call."""
     if _NATIVE is None:
         if not _NATIVE_BUILD and isinstance(x, torch.Tensor) and x.is_cuda:
             _start_native()
         return False
-    return (not torch.compiler.is_compiling() and type(x) in _PLAIN and x.is_cuda
-            and _PLAIN_OR_NONE.issuperset(map(type, params)) and not _FUNCTORCH_ACTIVE())
+    return (type(x) in _PLAIN and x.is_cuda and _PLAIN_OR_NONE.issuperset(map(type, params))
+            and not _FUNCTORCH_ACTIVE())
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -776,10 +777,11 @@ def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
     """y of LayerNorm (``is_ln``) or RMSNorm: the C++ layer's where it takes the call, else the
     Python layer's (``eps`` None: x's machine epsilon); traced as torch operations under
     torch.compile (see compiled_kernels)."""
-    if torch.compiler.is_compiling() and not (deterministic or _COMPILED["kernels"]):
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (deterministic or _COMPILED["kernels"]):
         return _traced(x, None, weight, bias, shape, _eps(eps, x), is_ln, weight_offset, None)
     weight, weight_offset = _with_offset(x, weight, weight_offset)
-    if _native_takes(x, weight, bias):
+    if not compiling and _native_takes(x, weight, bias):
         y = _NATIVE.norm(x, weight, bias, shape, _eps(eps, x), is_ln, weight_offset,
                          deterministic)
         if y is not None:  # None: x does not end in shape, which the Python layer reports
@@ -795,11 +797,12 @@ def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
 def _add_norm(x, residual, weight, bias, shape, eps, is_ln, weight_offset, residual_dtype,
               deterministic):
     """(y, h) of the fused residual add, as :func:`_norm`."""
-    if torch.compiler.is_compiling() and not (deterministic or _COMPILED["kernels"]):
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (deterministic or _COMPILED["kernels"]):
         return _traced(x, residual, weight, bias, shape, _eps(eps, x), is_ln, weight_offset,
                        residual_dtype)
     weight, weight_offset = _with_offset(x, weight, weight_offset)
-    if _native_takes(x, residual, weight, bias):
+    if not compiling and _native_takes(x, residual, weight, bias):
         out = _NATIVE.add_norm(x, residual, weight, bias, shape, _eps(eps, x), is_ln,
                                weight_offset, residual_dtype, deterministic)
         if out:
