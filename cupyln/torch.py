@@ -755,10 +755,10 @@ def _traced_check(x, residual, weight, bias, shape, eps, weight_offset, residual
         raise ValueError(f"normalized_shape {tuple(shape)} is not the trailing shape of x "
                          f"{tuple(x.shape)} (or has an empty axis)")
     for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and (p.dtype not in (x.dtype, torch.float32) or
-                              list(p.shape) != list(shape)):
-            raise TypeError(f"{name} has dtype {p.dtype} and shape {tuple(p.shape)}; expected "
-                            f"x's dtype or float32, and shape {tuple(shape)}")
+        if p is not None and p.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{name} has dtype {p.dtype}; expected x's dtype or float32")
+        if p is not None and list(p.shape) != list(shape):
+            raise ValueError(f"{name} has shape {tuple(p.shape)}; expected {tuple(shape)}")
     if not 0 <= eps < float("inf"):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     if weight_offset and weight is None:
@@ -767,10 +767,11 @@ def _traced_check(x, residual, weight, bias, shape, eps, weight_offset, residual
         h = residual_dtype or x.dtype
         if h not in (x.dtype, torch.float32) or h != x.dtype and x.dtype == torch.float64:
             raise TypeError(f"residual_dtype is {h}; expected x's dtype, or float32 for 16-bit x")
-        if residual.dtype not in (x.dtype, h) or residual.shape != x.shape:
-            raise ValueError(f"residual has dtype {residual.dtype} and shape "
-                             f"{tuple(residual.shape)}; expected x's shape {tuple(x.shape)} "
-                             f"and x's dtype or {h}")
+        if residual.dtype not in (x.dtype, h):
+            raise TypeError(f"residual has dtype {residual.dtype}; expected x's dtype or {h}")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected x's shape "
+                             f"{tuple(x.shape)}")
 
 
 def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
