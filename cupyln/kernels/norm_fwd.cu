@@ -155,17 +155,29 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 }
 
 // A vector of y / scale in float8 (divide: a float -> float quotient), two elements a
-// conversion. NANS: as cl_float8x2's.
+// conversion, stored as 32-bit words where VEC allows (as bytes, the codes were taken apart
+// and put together again). NANS: as cl_float8x2's.
+template <int VEC, bool WORDS = VEC % 4 == 0> struct Float8Vec {
+  typedef Pack<unsigned char, VEC> type;
+};
+template <int VEC> struct Float8Vec<VEC, true> { typedef Pack<unsigned, VEC / 4> type; };
 template <bool E5M2, bool NANS, int VEC, typename C, typename D>
-__device__ __forceinline__ Pack<unsigned char, VEC> float8_pack(const C (&o)[VEC], D divide) {
-  Pack<unsigned char, VEC> q;
+__device__ __forceinline__ typename Float8Vec<VEC>::type float8_pack(const C (&o)[VEC],
+                                                                    D divide) {
+  typename Float8Vec<VEC>::type q;
+  auto two = [&](int j) {  // codes j and j + 1 (0 past the vector)
+    return cl_float8x2<E5M2, NANS>(divide((float)o[j]), j + 1 < VEC ? divide((float)o[j + 1])
+                                                                   : 0.0f);
+  };
 #pragma unroll
-  for (int j = 0; j < VEC; j += 2) {
-    const bool two = j + 1 < VEC;
-    const unsigned b = cl_float8x2<E5M2, NANS>(divide((float)o[j]),
-                                               two ? divide((float)o[two ? j + 1 : j]) : 0.0f);
-    q.v[j] = (unsigned char)b;
-    if (two) q.v[j + 1] = (unsigned char)(b >> 8);
+  for (int j = 0; j < VEC; j += VEC % 4 == 0 ? 4 : 2) {
+    if constexpr (VEC % 4 == 0) {
+      q.v[j / 4] = two(j) | two(j + 2) << 16;
+    } else {
+      const unsigned b = two(j);
+      q.v[j] = (unsigned char)b;
+      if (j + 1 < VEC) q.v[j + 1] = (unsigned char)(b >> 8);
+    }
   }
   return q;
 }
@@ -223,7 +235,7 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
     const ClReciprocal divide{ClDivisor(scale)};
     chunk_outputs<HELD, VEC, NPT, false>(
         p, 0, N, mu, rstd, gamma, beta, hg, hb, [&](int, int col, const C (&o)[VEC]) {
-          *reinterpret_cast<Pack<unsigned char, VEC>*>(yq + row * N + col) =
+          *reinterpret_cast<typename Float8Vec<VEC>::type*>(yq + row * N + col) =
               float8_pack<decltype(e5m2_)::value, decltype(nans_)::value>(o, divide);
         });
   };
