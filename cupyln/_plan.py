@@ -506,8 +506,8 @@ QUANT_THREADS = 512  # norm_fwd_q's launch bound past one element a vector: 1024
 
 def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
     """y in float8 (norm_fwd_q): rows of one chunk held by one block in registers, in the
-    general forward's geometry (one vector per thread for small M); ValueError for longer
-    rows."""
+    general forward's geometry (one vector per thread for small M), y kept in shared memory
+    between the amax and the output; ValueError for longer rows."""
     cfg = config.fwd
     if vec > 1:
         cfg = dataclasses.replace(cfg, tpr_max=min(cfg.tpr_max, QUANT_THREADS))
@@ -521,8 +521,13 @@ def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
     spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
                 quant=True, ln=is_ln if tuned(dtype, vec) else None)
     kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
-    launch = {"fwd": Launch(kern, grid, block, 0, _kinds(_FWD_Q_ARGS, dtype))}
-    return Plan(spec, "fwd_q", kern, grid, block, 0, launch)
+    smem = g.tpr * g.rpb * g.npt * vec * 4  # each thread's y in float32 between its two passes
+    if smem + kernel_resource(kern, "shared_size_bytes") > info.smem_per_block:
+        raise ValueError(
+            f"float8 y on the GPU keeps each row's y in a block's shared memory: {N} elements "
+            f"need {smem} bytes, more than this device's {info.smem_per_block}")
+    launch = {"fwd": Launch(kern, grid, block, smem, _kinds(_FWD_Q_ARGS, dtype))}
+    return Plan(spec, "fwd_q", kern, grid, block, smem, launch)
 
 
 def _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel):

@@ -262,13 +262,33 @@ at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t :
 
 // ---------------------------------------------------------------------------- the passes
 
+// ``t`` where the kernels take its rows as they are (the last k axes dense, the leading ones
+// one pitch apart: cupyln/_layout.py's row_stride), else a contiguous copy (a transposed view,
+// a zero stride): made here, the call keeps its recipe, where the Python layer would copy it
+// on every call.
+at::Tensor rows(const at::Tensor& t, int64_t k) {
+  if (!t.defined() || t.is_contiguous()) return t;
+  int64_t nd = t.dim(), expect = 1, span = -1;
+  for (int64_t i = nd - 1; i >= nd - k; --i) {
+    if (t.size(i) != 1 && t.stride(i) != expect) return t.contiguous();
+    expect *= t.size(i);
+  }
+  for (int64_t i = nd - k - 1; i >= 0; --i) {
+    if (t.size(i) == 1) continue;
+    if (t.stride(i) == 0 || (span >= 0 && t.stride(i) != span)) return t.contiguous();
+    span = t.stride(i) * t.size(i);
+  }
+  return t;
+}
+
 // y, the statistics (mean undefined for RMSNorm) and, with a residual, h = x + residual (in
 // ``hdtype``), into new tensors.
-std::vector<at::Tensor> forward_pass(const at::Tensor& x, const at::Tensor& w,
-                                     const at::Tensor& b, const at::Tensor& r, int64_t k,
+std::vector<at::Tensor> forward_pass(const at::Tensor& x_in, const at::Tensor& w,
+                                     const at::Tensor& b, const at::Tensor& r_in, int64_t k,
                                      double eps, bool is_ln, double woff,
                                      c10::optional<at::ScalarType> hdtype) {
-  c10::DeviceGuard guard(x.device());
+  c10::DeviceGuard guard(x_in.device());
+  const at::Tensor x = rows(x_in, k), r = rows(r_in, k);
   auto lead = x.sizes().slice(0, x.dim() - k);  // k checked by fits()
   auto dense = x.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor y = at::empty(x.sizes(), dense);
@@ -295,13 +315,14 @@ at::Tensor param_like(const at::Tensor& w, const at::Tensor& x, int64_t k) {
 }
 
 // dx (with dresidual added), dgamma, dbeta where asked; undefined elsewhere.
-std::vector<at::Tensor> backward_pass(const at::Tensor& dy, const at::Tensor& x,
+std::vector<at::Tensor> backward_pass(const at::Tensor& dy_in, const at::Tensor& x_in,
                                       const at::Tensor& w, const at::Tensor& mean,
-                                      const at::Tensor& rstd, const at::Tensor& dres, int64_t k,
-                                      bool is_ln, double woff, bool det, bool need_dx,
+                                      const at::Tensor& rstd, const at::Tensor& dres_in,
+                                      int64_t k, bool is_ln, double woff, bool det, bool need_dx,
                                       bool need_dw, bool need_db) {
   if (!(need_dx || need_dw || need_db)) return {at::Tensor(), at::Tensor(), at::Tensor()};
-  c10::DeviceGuard guard(x.device());
+  c10::DeviceGuard guard(x_in.device());
+  const at::Tensor dy = rows(dy_in, k), x = rows(x_in, k), dres = rows(dres_in, k);
   at::Tensor dx = need_dx ? at::empty(x.sizes(), x.options().memory_format(
                                           at::MemoryFormat::Contiguous))
                           : at::Tensor();
@@ -318,13 +339,6 @@ std::vector<at::Tensor> backward_pass(const at::Tensor& dy, const at::Tensor& x,
   return {dx, dw, db};
 }
 
-// A gradient with a zero stride (the backward of a sum), which the Python layer would copy
-// anyway, made contiguous here so that its call keeps a recipe.
-at::Tensor dense(const at::Tensor& g) {
-  for (auto s : g.strides())
-    if (s == 0) return g.contiguous();
-  return g;
-}
 
 bool deterministic(AutogradContext* ctx) {
   return ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
@@ -355,9 +369,9 @@ struct Norm : public torch::autograd::Function<Norm> {
                             const c10::optional<at::Tensor>& weight,
                             const c10::optional<at::Tensor>& bias, int64_t k, double eps,
                             bool is_ln, double woff, bool det) {
-    at::Tensor w = opt(weight), b = opt(bias);
-    auto out = forward_pass(x, w, b, at::Tensor(), k, eps, is_ln, woff, c10::nullopt);
-    ctx->save_for_backward({x, w, out[1], out[2]});
+    at::Tensor w = opt(weight), b = opt(bias), xr = rows(x, k);  // saved as the kernels read it
+    auto out = forward_pass(xr, w, b, at::Tensor(), k, eps, is_ln, woff, c10::nullopt);
+    ctx->save_for_backward({xr, w, out[1], out[2]});
     save_flags(ctx, k, is_ln, woff, det, w, b);
     return out[0];
   }
@@ -366,7 +380,7 @@ struct Norm : public torch::autograd::Function<Norm> {
     auto saved = ctx->get_saved_variables();
     bool is_ln = ctx->saved_data["is_ln"].toBool();
     auto e = edges({true, ctx->saved_data["has_w"].toBool(), ctx->saved_data["has_b"].toBool()});
-    auto g = backward_pass(dense(grads[0]), saved[0], saved[1], saved[2], saved[3],
+    auto g = backward_pass(grads[0], saved[0], saved[1], saved[2], saved[3],
                            at::Tensor(),
                            ctx->saved_data["k"].toInt(), is_ln,
                            ctx->saved_data["woff"].toDouble(), deterministic(ctx),
@@ -401,13 +415,13 @@ struct AddNorm : public torch::autograd::Function<AddNorm> {
                     ctx->saved_data["has_b"].toBool()});
     bool need_x = needs(ctx, e[0]), need_r = needs(ctx, e[1]), need_h = need_x || need_r;
     bool need_w = needs(ctx, e[2]), need_b = is_ln && needs(ctx, e[3]);
-    at::Tensor dy = dense(grads[0]).to(h.scalar_type());  // dy in h's dtype: the backward's rule
+    at::Tensor dy = grads[0].to(h.scalar_type());  // dy in h's dtype: the backward's rule
     // parameters in h's dtype or float32 (16-bit weights of a float32 h: widened)
     at::Tensor w = !weight.defined() || weight.scalar_type() == h.scalar_type() ||
                            weight.scalar_type() == at::kFloat
                        ? weight
                        : weight.to(at::kFloat);
-    auto g = backward_pass(dy, h, w, saved[2], saved[3], need_h ? dense(grads[1]) : at::Tensor(),
+    auto g = backward_pass(dy, h, w, saved[2], saved[3], need_h ? grads[1] : at::Tensor(),
                            ctx->saved_data["k"].toInt(), is_ln,
                            ctx->saved_data["woff"].toDouble(), deterministic(ctx), need_h,
                            need_w, need_b);
@@ -431,12 +445,24 @@ int64_t fits(const at::Tensor& x, const std::vector<int64_t>& shape) {
   return ok ? k : 0;
 }
 
+// Whether autograd records a call: grad mode on and an input that requires grad. Otherwise the
+// pass runs without an autograd node, as torch's own operations do.
+bool recorded(std::initializer_list<at::Tensor> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& t : ts)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
 c10::optional<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                const c10::optional<at::Tensor>& bias,
                                const std::vector<int64_t>& shape, double eps, bool is_ln,
                                double woff, bool det) {
   int64_t k = fits(x, shape);
   if (!k) return c10::nullopt;
+  if (!recorded({x, opt(weight), opt(bias)}))
+    return forward_pass(x, opt(weight), opt(bias), at::Tensor(), k, eps, is_ln, woff,
+                        c10::nullopt)[0];
   return Norm::apply(x, weight, bias, k, eps, is_ln, woff, det);
 }
 
@@ -447,6 +473,10 @@ variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
                        c10::optional<at::ScalarType> hdtype, bool det) {
   int64_t k = fits(x, shape);
   if (!k) return {};
+  if (!recorded({x, residual, opt(weight), opt(bias)})) {
+    auto out = forward_pass(x, opt(weight), opt(bias), residual, k, eps, is_ln, woff, hdtype);
+    return {out[0], out[3]};
+  }
   return AddNorm::apply(x, residual, weight, bias, k, eps, is_ln, woff, hdtype, det);
 }
 
@@ -527,7 +557,7 @@ Three ln_bwd_op(const at::Tensor& dy, const at::Tensor& x, const c10::optional<a
     return python_op<Three>("layer_norm_bwd", dy, x, w, mean, rstd, need_dx, need_dw, need_db,
                             det, dres, woff);
   at::Tensor wt = opt(w);
-  auto g = backward_pass(dense(dy), x, wt, mean, rstd, dres ? dense(*dres) : at::Tensor(), k,
+  auto g = backward_pass(dy, x, wt, mean, rstd, opt(dres), k,
                          true, woff, det, need_dx, need_dw && wt.defined(), need_db);
   return {filled(g[0], x), filled(g[1], x), filled(g[2], x)};
 }
@@ -539,7 +569,7 @@ Two rms_bwd_op(const at::Tensor& dy, const at::Tensor& x, const c10::optional<at
   if (k < 1)
     return python_op<Two>("rms_norm_bwd", dy, x, w, rstd, need_dx, need_dw, det, dres, woff);
   at::Tensor wt = opt(w);
-  auto g = backward_pass(dense(dy), x, wt, at::Tensor(), rstd, dres ? dense(*dres) : at::Tensor(),
+  auto g = backward_pass(dy, x, wt, at::Tensor(), rstd, opt(dres),
                          k, false, woff, det, need_dx, need_dw && wt.defined(), false);
   return {filled(g[0], x), filled(g[1], x)};
 }

@@ -7,7 +7,9 @@
     y, h = ct.add_rms_norm(x, residual, (1024,), weight)  # h = x + residual, y = norm(h)
     norm = ct.RMSNorm(1024, weight_offset=1.0)            # Gemma: scale by (1 + weight)
 
-Under ``torch.compile`` the calls are ``torch.library`` custom ops (``cupyln::layer_norm_fwd``
+Under ``torch.compile`` the norms are traced as torch operations computing what the kernels
+compute, which Inductor fuses with their neighbours; with ``compiled_kernels(True)`` (or
+``deterministic=True``) the calls are ``torch.library`` custom ops (``cupyln::layer_norm_fwd``
 and friends) with fake implementations and registered autograd, so ``fullgraph=True`` traces
 them; in eager mode the same functions run as a ``torch.autograd.Function``, without the custom
 op's dispatch cost. CUDA tensors go to the kernels without a copy (their memory wrapped as CuPy
@@ -316,14 +318,15 @@ _PLAIN_OR_NONE = frozenset((*_PLAIN, type(None)))  # a set's test of the types: 
 
 
 def _native_takes(x, *params):
-    """Whether the C++ layer takes the call: built, eager, CUDA tensors of torch's own type
-    (no tensor subclass, no functorch transform); starts its build on a first CUDA call."""
+    """Whether the C++ layer takes an eager call (its callers test for compiling): built, CUDA
+    tensors of torch's own type (no tensor subclass, no functorch transform); starts its build
+    on a first CUDA call."""
     if _NATIVE is None:
         if not _NATIVE_BUILD and isinstance(x, torch.Tensor) and x.is_cuda:
             _start_native()
         return False
-    return (not torch.compiler.is_compiling() and type(x) in _PLAIN and x.is_cuda
-            and _PLAIN_OR_NONE.issuperset(map(type, params)) and not _FUNCTORCH_ACTIVE())
+    return (type(x) in _PLAIN and x.is_cuda and _PLAIN_OR_NONE.issuperset(map(type, params))
+            and not _FUNCTORCH_ACTIVE())
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -697,11 +700,89 @@ def _with_offset(x, weight, weight_offset):
     return weight.to(acc) + weight_offset, 0.0
 
 
+# ----------------------------------------------------------------------------- under compile
+#
+# Inductor fuses a norm written as torch operations with what surrounds it (casts, the residual
+# add, the weight offset, the next operation's loads); cupyln's kernels are opaque to it. Whole
+# training steps compiled with torch's norms were as fast or faster than with cupyln's kernels
+# as custom ops on every model measured, so compiled code traces cupyln's norms as torch
+# operations unless kernels are asked for (compiled_kernels) or the call is deterministic (a
+# guarantee of cupyln's kernels).
+_COMPILED = {"kernels": False}
+
+
+def compiled_kernels(on: bool | None = None) -> bool:
+    """Whether code under ``torch.compile`` calls cupyln's kernels (custom ops) rather than
+    tracing the norms as torch operations that Inductor fuses with their neighbours (the
+    default; ``deterministic=True`` calls keep the kernels). ``on``: set it (graphs compiled
+    before recompile). Returns the setting in force."""
+    if on is not None:
+        if not isinstance(on, bool):
+            raise TypeError(f"on must be a bool or None, got {type(on).__name__}")
+        _COMPILED["kernels"] = on
+    return _COMPILED["kernels"]
+
+
+def _traced(x, residual, weight, bias, shape, eps, is_ln, weight_offset, residual_dtype):
+    """cupyln's norm as torch operations: statistics, scale and shift in float32 (float64 for
+    float64 x), one rounding to x's dtype; with a residual, (y, h) of h = x + residual rounded
+    to its dtype and normalized as stored."""
+    _traced_check(x, residual, weight, bias, shape, eps, weight_offset, residual_dtype)
+    acc = _OFFSET_ACC[x.dtype]
+    h = None if residual is None else (x.to(acc) + residual.to(acc)).to(residual_dtype or x.dtype)
+    v = (x if h is None else h).to(acc)
+    axes = tuple(range(-len(shape), 0))
+    if is_ln:  # one pass for both statistics where Inductor can (its Welford reduction)
+        var, mean = torch.var_mean(v, axes, correction=0, keepdim=True)
+        v = (v - mean) * torch.rsqrt(var + eps)
+    else:
+        v = v * torch.rsqrt(v.square().mean(axes, keepdim=True) + eps)
+    if weight is not None:
+        v = v * (weight.to(acc) + weight_offset if weight_offset else weight.to(acc))
+    if bias is not None:
+        v = v + bias.to(acc)
+    return v.to(x.dtype) if h is None else (v.to(x.dtype), h)
+
+
+def _traced_check(x, residual, weight, bias, shape, eps, weight_offset, residual_dtype):
+    """The checks of the kernels' calls that a traced norm would otherwise pass over: types,
+    dtypes and shapes (at trace time: they are constants of the graph)."""
+    _tensors(x=x, weight=weight, bias=bias, **({} if residual is None else {"residual": residual}))
+    if x.dtype not in _OFFSET_ACC:
+        raise TypeError(f"x has dtype {x.dtype}; expected float16, bfloat16, float32 or float64")
+    k = len(shape)
+    if k > x.dim() or list(x.shape[x.dim() - k:]) != list(shape) or 0 in shape:
+        raise ValueError(f"normalized_shape {tuple(shape)} is not the trailing shape of x "
+                         f"{tuple(x.shape)} (or has an empty axis)")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"{name} has dtype {p.dtype}; expected x's dtype or float32")
+        if p is not None and list(p.shape) != list(shape):
+            raise ValueError(f"{name} has shape {tuple(p.shape)}; expected {tuple(shape)}")
+    if not 0 <= eps < float("inf"):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if weight_offset and weight is None:
+        raise ValueError(f"weight_offset={weight_offset} needs a weight to offset")
+    if residual is not None:
+        h = residual_dtype or x.dtype
+        if h not in (x.dtype, torch.float32) or h != x.dtype and x.dtype == torch.float64:
+            raise TypeError(f"residual_dtype is {h}; expected x's dtype, or float32 for 16-bit x")
+        if residual.dtype not in (x.dtype, h):
+            raise TypeError(f"residual has dtype {residual.dtype}; expected x's dtype or {h}")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected x's shape "
+                             f"{tuple(x.shape)}")
+
+
 def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
     """y of LayerNorm (``is_ln``) or RMSNorm: the C++ layer's where it takes the call, else the
-    Python layer's (``eps`` None: x's machine epsilon)."""
+    Python layer's (``eps`` None: x's machine epsilon); traced as torch operations under
+    torch.compile (see compiled_kernels)."""
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (deterministic or _COMPILED["kernels"]):
+        return _traced(x, None, weight, bias, shape, _eps(eps, x), is_ln, weight_offset, None)
     weight, weight_offset = _with_offset(x, weight, weight_offset)
-    if _native_takes(x, weight, bias):
+    if not compiling and _native_takes(x, weight, bias):
         y = _NATIVE.norm(x, weight, bias, shape, _eps(eps, x), is_ln, weight_offset,
                          deterministic)
         if y is not None:  # None: x does not end in shape, which the Python layer reports
@@ -717,8 +798,12 @@ def _norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic):
 def _add_norm(x, residual, weight, bias, shape, eps, is_ln, weight_offset, residual_dtype,
               deterministic):
     """(y, h) of the fused residual add, as :func:`_norm`."""
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (deterministic or _COMPILED["kernels"]):
+        return _traced(x, residual, weight, bias, shape, _eps(eps, x), is_ln, weight_offset,
+                       residual_dtype)
     weight, weight_offset = _with_offset(x, weight, weight_offset)
-    if _native_takes(x, residual, weight, bias):
+    if not compiling and _native_takes(x, residual, weight, bias):
         out = _NATIVE.add_norm(x, residual, weight, bias, shape, _eps(eps, x), is_ln,
                                weight_offset, residual_dtype, deterministic)
         if out:
@@ -967,4 +1052,5 @@ def replace_norms(model: torch.nn.Module, *, deterministic: bool = False) -> tor
 
 
 __all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "LayerNorm", "RMSNorm", "add_layer_norm",
-           "add_rms_norm", "layer_norm", "patch", "replace_norms", "rms_norm"]
+           "add_rms_norm", "compiled_kernels", "layer_norm", "patch", "replace_norms",
+           "rms_norm"]

@@ -94,7 +94,110 @@ def test_custom_ops_pass_opcheck():
                           (dy, x, w, mean, rstd, True, True, False, True))
 
 
-def test_torch_compile_fullgraph_without_graph_breaks():
+@pytest.fixture(params=[False, True], ids=["traced", "kernels"])
+def compiled_kernels(request):
+    """Compiled code with the norms traced as torch operations (the default) or calling
+    cupyln's kernels (ct.compiled_kernels(True)); the setting restored after."""
+    kept = ct.compiled_kernels()
+    ct.compiled_kernels(request.param)
+    torch._dynamo.reset()
+    yield request.param
+    ct.compiled_kernels(kept)
+    torch._dynamo.reset()
+
+
+def _graph_ops(fn, *args):
+    """The names of the operations of the forward and backward graphs that torch.compile makes
+    of ``fn`` (aot_eager), after one forward and backward."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    names = []
+
+    def keep(gm, _):
+        names.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    compiled(*args).sum().backward()
+    return names
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiled_code_traces_the_norms_unless_kernels_are_asked_for(compiled_kernels,
+                                                                      deterministic):
+    """By default torch.compile sees the norms as torch operations (no cupyln op in its
+    graphs), which Inductor fuses with their neighbours; with compiled_kernels(True), or a
+    deterministic call, it calls cupyln's ops, forward and backward."""
+    x, w, b, _ = inputs((4, 16, 64), 1, torch.float32, torch.float32, "cpu")
+    r = torch.randn(4, 16, 64, requires_grad=True)
+
+    def block(x, w, b, r):
+        y = ct.layer_norm(x, 64, w, b, deterministic=deterministic)
+        y, h = ct.add_rms_norm(y, r, 64, w, weight_offset=1.0, deterministic=deterministic)
+        return y + h
+
+    ops = _graph_ops(block, *(t.requires_grad_() for t in (x, w, b)), r)
+    ours = [n for n in ops if n.startswith("cupyln.")]
+    if compiled_kernels or deterministic:
+        assert {n.split(".")[1] for n in ours} == {"layer_norm_fwd", "layer_norm_bwd",
+                                                   "add_rms_norm_fwd", "rms_norm_bwd"}
+    else:
+        assert ours == [] and "aten.rsqrt.default" in ops
+
+
+def test_compiled_kernels_takes_a_bool():
+    with pytest.raises(TypeError, match="bool"):
+        ct.compiled_kernels(1)
+    assert ct.compiled_kernels() is False
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32),
+                                          (torch.bfloat16, torch.float32),
+                                          (torch.float16, torch.float16)], ids=str)
+def test_traced_norms_match_the_kernels_values_and_gradients(dtype, wdtype):
+    """The traced norms (Inductor) against the eager calls (the kernels' contract; on the CPU
+    the NumPy path): y, h and every gradient within the dtype's rounding, for LayerNorm,
+    RMSNorm with Gemma's weight offset and the fused add into a float32 residual stream."""
+    torch._dynamo.reset()
+    x, w, b, dy = inputs((3, 5, 96), 1, dtype, wdtype, "cpu")
+    r = torch.randn(3, 5, 96, dtype=torch.float32)
+
+    def block(x, r, w, b):
+        y = ct.layer_norm(x, 96, w, b, eps=1e-5)
+        y2, h = ct.add_rms_norm(y, r, 96, w, weight_offset=1.0, residual_dtype=torch.float32)
+        return torch.cat([y, y2, h.to(dtype)])
+
+    def run(fn):
+        leaves = [t.detach().requires_grad_() for t in (x, r, w, b)]
+        out = fn(*leaves)
+        out.backward(torch.cat([dy, dy, dy]))
+        return [out, *(t.grad for t in leaves)]
+
+    got, want = run(torch.compile(block, fullgraph=True)), run(block)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, rtol=tol, atol=tol)
+
+
+def test_traced_norms_refuse_what_the_kernels_refuse():
+    """Under torch.compile a call the kernels would refuse is refused, not computed: a weight
+    of another 16-bit dtype, a normalized shape that is not x's, a negative eps (fullgraph:
+    torch reports the exception the trace met)."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    calls = [(lambda: ct.layer_norm(x, 64, torch.ones(64, dtype=torch.float16)),
+              "weight has dtype torch.float16"),
+             (lambda: ct.rms_norm(x, 32), "is not the trailing shape"),
+             (lambda: ct.rms_norm(x, 64, eps=-1.0), "eps must be finite")]
+    for call, message in calls:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=message):
+            torch.compile(call, fullgraph=True, backend="aot_eager")()
+
+
+def test_torch_compile_fullgraph_without_graph_breaks(compiled_kernels):
     x, w, b, _ = inputs((4, 16, 64), 1, torch.float32, torch.float32, "cpu")
 
     def block(x, w, b):
@@ -133,7 +236,7 @@ def _reduce_overhead_steps(model, fused, xs):
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("fused", [False, True])
-def test_reduce_overhead_captures_the_norms_in_its_cuda_graphs(fused):
+def test_reduce_overhead_captures_the_norms_in_its_cuda_graphs(fused, compiled_kernels):
     """torch.compile(mode="reduce-overhead") runs cupyln's ops inside its CUDA graphs, forward
     and backward: inductor skips no graph for them, and replayed steps give the loss and
     gradients of torch's norms in the same loop. (Where torch's own norms fail the loop, the
@@ -529,7 +632,7 @@ def test_fused_add_ops_pass_opcheck():
                           (x, r.bfloat16(), w, [32], 1e-6, None, 1.0, False))
 
 
-def test_fused_add_under_torch_compile_without_graph_breaks():
+def test_fused_add_under_torch_compile_without_graph_breaks(compiled_kernels):
     x, w, _, _ = inputs((4, 16, 64), 1, torch.float32, torch.float32, "cpu")
     r = torch.randn(4, 16, 64)
 

@@ -111,6 +111,75 @@ def test_known_signatures_stay_in_cpp(native):
         native.set_python(ct._native_forward, ct._native_backward)
 
 
+def _head_view(device, dtype):
+    """Gemma 3's q_norm input: (batch, seq, heads, head_dim) projections transposed to
+    (batch, heads, seq, head_dim), rows no single pitch apart."""
+    return torch.randn(2, 40, 4, 128, device=device, dtype=dtype).transpose(1, 2)
+
+
+@gpu
+def test_transposed_head_views_stay_in_cpp_with_the_python_layers_bits(native):
+    """A view whose rows the kernels cannot take as they are (and its gradient's) is made
+    contiguous in the C++ layer, so that later calls keep the recipe, not copied by the Python
+    layer on every call; the same bits as the Python layer's."""
+    calls = []
+
+    def counted(f):
+        def wrapped(*a):
+            calls.append(f.__name__)
+            return f(*a)
+        return wrapped
+
+    m = ct.RMSNorm(128, weight_offset=1.0, deterministic=True).cuda()
+    x = _head_view("cuda", torch.bfloat16)
+    dy = torch.randn(2, 40, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    want = _python_layer(lambda: _run(m, x, dy))
+    native.set_python(counted(ct._native_forward), counted(ct._native_backward))
+    try:
+        for _ in range(3):
+            m.weight.grad = None
+            got = _run(m, x, dy)
+        assert calls == ["_native_forward", "_native_backward"]
+    finally:
+        native.set_python(ct._native_forward, ct._native_backward)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_transposed_head_views_give_torchs_values_on_the_cpu():
+    """The C++ layer's own logic on the CPU, where it builds (its Python calls take the NumPy
+    path): a transposed view and a gradient of another layout, against torch's RMSNorm."""
+    if ct._native_wait() is None:
+        pytest.skip(f"the C++ layer did not build here: {ct._NATIVE_BUILD.get('error')}")
+    x = _head_view("cpu", torch.float32).requires_grad_()
+    w = torch.randn(128, requires_grad=True)
+    dy = torch.randn(2, 4, 40, 128).transpose(0, 1).contiguous().transpose(0, 1)
+    y = ct._NATIVE.norm(x, w, None, [128], 1e-6, False, 0.0, False)
+    got = [y, *torch.autograd.grad(y, (x, w), dy)]
+    want = torch.nn.functional.rms_norm(x, (128,), w, 1e-6)
+    want = [want, *torch.autograd.grad(want, (x, w), dy)]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_calls_autograd_does_not_record_make_no_node():
+    """Without grad mode, or without an input that requires grad, the C++ layer runs the pass
+    without an autograd node (as torch's operations do); with one, the node is there. On the
+    CPU where the layer builds."""
+    if ct._native_wait() is None:
+        pytest.skip(f"the C++ layer did not build here: {ct._NATIVE_BUILD.get('error')}")
+    x, r = torch.randn(4, 64), torch.randn(4, 64)
+    w = torch.randn(64, requires_grad=True)
+    with torch.no_grad():
+        y, (y2, h) = ct._NATIVE.norm(x, w, None, [64], 1e-6, False, 0.0, False), \
+            ct._NATIVE.add_norm(x, r, w, None, [64], 1e-6, False, 0.0, None, False)
+    assert y.grad_fn is None and y2.grad_fn is None and h.grad_fn is None
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), w.detach(), 1e-6))
+    torch.testing.assert_close(h, x + r)
+    assert ct._NATIVE.norm(x, w.detach(), None, [64], 1e-6, False, 0.0, False).grad_fn is None
+    assert ct._NATIVE.norm(x, w, None, [64], 1e-6, False, 0.0, False).grad_fn is not None
+
+
 @gpu
 def test_a_weight_offset_stays_in_cpp(native):
     """Gemma's (1 + weight): after the first call of a signature, no call reaches the Python

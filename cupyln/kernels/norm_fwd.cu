@@ -155,27 +155,42 @@ __device__ __forceinline__ void write_chunk(const R (&p)[NPT], int c0, int N, C 
 }
 
 // A vector of y / scale in float8 (divide: a float -> float quotient), two elements a
-// conversion. NANS: as cl_float8x2's.
+// conversion, stored as 32-bit words where VEC allows (as bytes, the codes were taken apart
+// and put together again). NANS: as cl_float8x2's.
+template <int VEC, bool WORDS = VEC % 4 == 0> struct Float8Vec {
+  typedef Pack<unsigned char, VEC> type;
+};
+template <int VEC> struct Float8Vec<VEC, true> { typedef Pack<unsigned, VEC / 4> type; };
 template <bool E5M2, bool NANS, int VEC, typename C, typename D>
-__device__ __forceinline__ Pack<unsigned char, VEC> float8_pack(const C (&o)[VEC], D divide) {
-  Pack<unsigned char, VEC> q;
+__device__ __forceinline__ typename Float8Vec<VEC>::type float8_pack(const C (&o)[VEC],
+                                                                    D divide) {
+  typename Float8Vec<VEC>::type q;
+  auto two = [&](int j) {  // codes j and j + 1 (0 past the vector)
+    return cl_float8x2<E5M2, NANS>(divide((float)o[j]), j + 1 < VEC ? divide((float)o[j + 1])
+                                                                   : 0.0f);
+  };
 #pragma unroll
-  for (int j = 0; j < VEC; j += 2) {
-    const bool two = j + 1 < VEC;
-    const unsigned b = cl_float8x2<E5M2, NANS>(divide((float)o[j]),
-                                               two ? divide((float)o[two ? j + 1 : j]) : 0.0f);
-    q.v[j] = (unsigned char)b;
-    if (two) q.v[j + 1] = (unsigned char)(b >> 8);
+  for (int j = 0; j < VEC; j += VEC % 4 == 0 ? 4 : 2) {
+    if constexpr (VEC % 4 == 0) {
+      q.v[j / 4] = two(j) | two(j + 2) << 16;
+    } else {
+      const unsigned b = two(j);
+      q.v[j] = (unsigned char)b;
+      if (j + 1 < VEC) q.v[j + 1] = (unsigned char)(b >> 8);
+    }
   }
   return q;
 }
 
 // The quantized forward's output of a row of one chunk (QUANT in fwd_rows): the chunk's y in
-// float32 (as the reference rounds it), the row's amax (ClMax over its threads; every thread
-// of the block calls, `valid` or not), then y / scale in float8 (float8_pack). qflags bit 0:
-// float8_e5m2 (else e4m3fn); bit 1: one static scale *yscale (NaN out where it is not finite or
-// not above 0), else each row's amax / fmax (1 where 0), stored to qscale[row]. Returns the
-// row's amax (0 for an invalid row).
+// float32 (as the reference rounds it), kept in dynamic shared memory (NPT vectors a thread:
+// the host gives blockDim.x * blockDim.y * NPT * VEC floats), the row's amax (ClMax over its
+// threads; every thread of the block calls, `valid` or not), then y / scale in float8
+// (float8_pack) from what the thread kept: x, gamma and beta are not needed past the amax
+// pass (fewer registers), and y is not computed twice. qflags bit 0: float8_e5m2 (else
+// e4m3fn); bit 1: one static scale *yscale (NaN out where it is not finite or not above 0),
+// else each row's amax / fmax (1 where 0), stored to qscale[row]. Returns the row's amax (0
+// for an invalid row).
 template <bool HELD, int VEC, int NPT, int WARP, int NORM, typename W, typename C, typename R,
           typename H>
 __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu, C rstd,
@@ -191,15 +206,23 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
   // time. Single elements, and LayerNorm's 16-bit rows with float32 gamma and beta, test every
   // pair: the flag's registers halved the blocks of the first and spilled in the second.
   constexpr bool FLAGGED = VEC > 1 && (NORM == cln::rmsnorm || sizeof(W) * VEC <= 16);
+  typedef Pack<float, VEC> Y;
+  extern __shared__ __align__(16) unsigned char cl_smem[];
+  const int threads = blockDim.x * blockDim.y;
+  Y* kept = reinterpret_cast<Y*>(cl_smem) + threadIdx.y * blockDim.x + threadIdx.x;
+  require_dynamic_smem(threads * NPT * sizeof(Y));  // a launch with less traps
   float m[1] = {0.0f}, n = 0.0f;
   if (valid)
     chunk_outputs<HELD, VEC, NPT, false>(p, 0, N, mu, rstd, gamma, beta, hg, hb,
-                                         [&](int, int, const C (&o)[VEC]) {
+                                         [&](int k, int, const C (&o)[VEC]) {
+                                           Y y;
 #pragma unroll
                                            for (int j = 0; j < VEC; ++j) {
-                                             m[0] = fmaxf(m[0], fabsf((float)o[j]));
-                                             if (FLAGGED) n = cl_max_nan(n, (float)o[j]);
+                                             y.v[j] = (float)o[j];
+                                             m[0] = fmaxf(m[0], fabsf(y.v[j]));
+                                             if (FLAGGED) n = cl_max_nan(n, y.v[j]);
                                            }
+                                           kept[k * threads] = y;
                                          });
   bool nans = !FLAGGED || n != n;
   row_allreduce<WARP, 0, ClMax>(m, phase);
@@ -217,15 +240,17 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
   }
   // quotients by an unusable static scale, and infinities over an infinite one, are NaN too
   nans = nans || !(scale < inf) || !(m[0] < inf);
-  // y computed again rather than held from the first pass: a chunk of float32s held across
-  // the reduction spilled registers. The format is chosen once, not per element.
+  // the format is chosen once, not per element
   auto store = [&](auto e5m2_, auto nans_) {
     const ClReciprocal divide{ClDivisor(scale)};
-    chunk_outputs<HELD, VEC, NPT, false>(
-        p, 0, N, mu, rstd, gamma, beta, hg, hb, [&](int, int col, const C (&o)[VEC]) {
-          *reinterpret_cast<Pack<unsigned char, VEC>*>(yq + row * N + col) =
-              float8_pack<decltype(e5m2_)::value, decltype(nans_)::value>(o, divide);
-        });
+#pragma unroll
+    for (int k = 0; k < NPT; ++k) {
+      const int col = (k * (int)blockDim.x + (int)threadIdx.x) * VEC;
+      if (col < N)
+        *reinterpret_cast<typename Float8Vec<VEC>::type*>(yq + row * N + col) =
+            float8_pack<decltype(e5m2_)::value, decltype(nans_)::value>(kept[k * threads].v,
+                                                                         divide);
+    }
   };
   if (nans) {
     if (e5m2) store(BoolC<true>(), BoolC<true>());
