@@ -88,14 +88,17 @@ def test_float8_outputs_match_the_reference_within_float32s_error(op, f8, static
 @pytest.mark.parametrize("bad", [0.0, -1.0, np.inf, np.nan])
 def test_a_device_scale_that_is_not_finite_and_positive_gives_nan(bad, f8):
     """A CuPy y_scale is not read back: where it is not finite and above 0, every element of y_q
-    is NaN with the NumPy path's bits (never a silently scaled y), and amax is still y's."""
+    is NaN with the bits the NumPy path writes for a NaN quotient (ml_dtypes' of float32's NaN;
+    the NumPy path refuses such a scale before any work), never a silently scaled y; amax is still
+    y's."""
     xh = host((64, 1024), BF16, 0)
     x = cp.asarray(xh)
     yq, mean, rstd, amax = cupyln.layer_norm_fwd(x, y_dtype=f8,
                                                  y_scale=cp.array([bad], cp.float32))
-    assert np.isnan(yq.get().view(F8[f8]).astype(np.float32)).all()
-    want = cupyln.layer_norm_fwd(xh, y_dtype=f8, y_scale=np.array([bad], np.float32))[0]
-    assert np.array_equal(yq.get(), want.view(np.uint8))
+    with pytest.raises(ValueError, match="y_scale"):
+        cupyln.layer_norm_fwd(xh, y_dtype=f8, y_scale=np.array([bad], np.float32))
+    want = np.full(xh.shape, np.nan, np.float32).astype(F8[f8]).view(np.uint8)
+    assert np.array_equal(yq.get(), want)
     y, _, _ = cupyln.layer_norm_fwd(x)
     assert float(amax[0]) == pytest.approx(float(cp.abs(y.astype(cp.float32)).max()), rel=1e-2)
 
