@@ -1130,12 +1130,15 @@ def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, 
 
 
 def test_float8_threads_are_the_kernels_launch_bound():
-    """The planner's thread limit for float8 rows of vectors is the one norm_fwd_q is compiled
-    for (1024 for single elements): a wider block would fail to launch."""
+    """The planner's thread limit for float8 rows of vectors is the least norm_fwd_q is
+    compiled for (512; the flagged kernels 768, single elements 1024): a wider block would fail
+    to launch."""
     from cupyln._compile import _read
 
-    bound = f"__launch_bounds__(VEC == 1 ? 1024 : {_plan.QUANT_THREADS}) norm_fwd_q("
-    assert bound in _read("norm_fwd.cu")
+    src = _read("norm_fwd.cu")
+    assert "__launch_bounds__(quant_max_threads<NORM, VEC, W>()) norm_fwd_q(" in src
+    bound = f"return VEC == 1 ? 1024 : quant_flagged<NORM, VEC, W>() ? 768 : {_plan.QUANT_THREADS};"
+    assert bound in src
     assert FWD.tpr_max == 1024
 
 
