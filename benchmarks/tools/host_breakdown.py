@@ -1,11 +1,14 @@
 """Host time per call of cupyln.torch's modules against the torch path each replaces, side by
 side in one process: LayerNorm, RMSNorm and the fused residual add (``x + r`` then torch's
 norm), under ``no_grad``, recording the graph, and forward + backward; cupyln's C++ layer and
-its Python layer. 32×512 float16, medians of 5 rounds in which the three take turns.
+its Python layer. 32×512 float16 by default, medians of 5 rounds in which the three take
+turns. At a model's shape (``--shape 8192x768 --dtype bfloat16``) a call's time is the host's
+where the host takes longer than the device, as in a host-bound training step.
 
-    python benchmarks/tools/host_breakdown.py
+    python benchmarks/tools/host_breakdown.py [--shape 32x512] [--dtype float16]
 """
 
+import argparse
 import time
 
 import torch
@@ -65,22 +68,28 @@ def python_layer(fn, native):
     return f
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="32x512", help="MxN (default 32x512)")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    a = ap.parse_args(argv)
+    M, N = (int(v) for v in a.shape.lower().split("x"))
+    dtype = getattr(torch, a.dtype)
     native = ct._native_wait()
-    print(f"C++ layer: {'built' if native else ct._NATIVE_BUILD.get('error')}")
+    print(f"C++ layer: {'built' if native else ct._NATIVE_BUILD.get('error')}; {M}x{N} {a.dtype}")
     torch.manual_seed(0)
-    x = torch.randn(32, 512, device=DEV, dtype=torch.float16, requires_grad=True)
+    x = torch.randn(M, N, device=DEV, dtype=dtype, requires_grad=True)
     r = torch.randn_like(x, requires_grad=True)
     dy = torch.randn_like(x)
-    mods = {"LayerNorm": (torch.nn.LayerNorm(512), ct.LayerNorm(512)),
-            "RMSNorm": (torch.nn.RMSNorm(512), ct.RMSNorm(512)),
-            "add + LayerNorm": (TorchAdd(torch.nn.LayerNorm(512)), ct.FusedAddLayerNorm(512)),
-            "add + RMSNorm": (TorchAdd(torch.nn.RMSNorm(512)), ct.FusedAddRMSNorm(512))}
+    mods = {"LayerNorm": (torch.nn.LayerNorm(N), ct.LayerNorm(N)),
+            "RMSNorm": (torch.nn.RMSNorm(N), ct.RMSNorm(N)),
+            "add + LayerNorm": (TorchAdd(torch.nn.LayerNorm(N)), ct.FusedAddLayerNorm(N)),
+            "add + RMSNorm": (TorchAdd(torch.nn.RMSNorm(N)), ct.FusedAddRMSNorm(N))}
     print(f"{'module':<16} {'mode':<17} {'torch':>7} {'cupyln':>7} {'python':>7}  (µs)")
     for name, (tm, cm) in mods.items():
         add = name.startswith("add")
-        tmodes = modes(tm.to(DEV, torch.float16), add, x, r, dy)
-        cmodes = modes(cm.to(DEV, torch.float16), add, x, r, dy)
+        tmodes = modes(tm.to(DEV, dtype), add, x, r, dy)
+        cmodes = modes(cm.to(DEV, dtype), add, x, r, dy)
         for mode in tmodes:
             t, c, p = [], [], []
             for _ in range(5):
