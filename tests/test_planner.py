@@ -1136,8 +1136,8 @@ def test_float8_threads_are_the_kernels_launch_bound():
     from cupyln._compile import _read
 
     src = _read("norm_fwd.cu")
-    assert "__launch_bounds__(quant_max_threads<NORM, VEC, W>()) norm_fwd_q(" in src
-    bound = f"return VEC == 1 ? 1024 : quant_flagged<NORM, VEC, W>() ? 768 : {_plan.QUANT_THREADS};"
+    assert "__launch_bounds__(quant_max_threads(NORM, VEC, sizeof(W))) norm_fwd_q(" in src
+    bound = f"return vec == 1 ? 1024 : quant_flagged(norm, vec, wbytes) ? 768 : {_plan.QUANT_THREADS};"
     assert bound in src
     assert FWD.tpr_max == 1024
 

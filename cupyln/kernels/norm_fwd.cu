@@ -183,18 +183,17 @@ __device__ __forceinline__ typename Float8Vec<VEC>::type float8_pack(const C (&o
 }
 
 // Whether write_quantized flags a NaN per thread: where 16-byte vectors run, but for LayerNorm
-// with gamma and beta wider than x (the flag's registers spilled there).
-template <int NORM, int VEC, typename W>
-__host__ __device__ constexpr bool quant_flagged() {
-  return VEC > 1 && (NORM == cln::rmsnorm || sizeof(W) * VEC <= 16);
+// with gamma and beta wider than x (the flag's registers spilled there). Plain arguments, not
+// template ones: HIP's __launch_bounds__ macro would split at their commas.
+__host__ __device__ constexpr bool quant_flagged(int norm, int vec, int wbytes) {
+  return vec > 1 && (norm == cln::rmsnorm || wbytes * vec <= 16);
 }
 
 // norm_fwd_q's launch bound: single elements in blocks of up to 1024 threads; the flagged
 // kernels held to 80 registers (65536 / 768), three blocks of 256 threads an SM rather than
 // two; the others at 512 (LayerNorm with 32-bit gamma lost at 80: it spilled).
-template <int NORM, int VEC, typename W>
-__host__ __device__ constexpr int quant_max_threads() {
-  return VEC == 1 ? 1024 : quant_flagged<NORM, VEC, W>() ? 768 : 512;
+__host__ __device__ constexpr int quant_max_threads(int norm, int vec, int wbytes) {
+  return vec == 1 ? 1024 : quant_flagged(norm, vec, wbytes) ? 768 : 512;
 }
 
 // The quantized forward's output of a row of one chunk (QUANT in fwd_rows): the chunk's y in
@@ -220,7 +219,7 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
   // (one more instruction an element): only then are its codes tested for NaN one pair at a
   // time. Single elements, and LayerNorm's 16-bit rows with float32 gamma and beta, test every
   // pair: the flag's registers halved the blocks of the first and spilled in the second.
-  constexpr bool FLAGGED = quant_flagged<NORM, VEC, W>();
+  constexpr bool FLAGGED = quant_flagged(NORM, VEC, sizeof(W));
   typedef Pack<float, VEC> Y;
   extern __shared__ __align__(16) unsigned char cl_smem[];
   const int threads = blockDim.x * blockDim.y;
@@ -735,7 +734,7 @@ __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
       H *__restrict__ hout, float *__restrict__ qscale, const float *__restrict__ yscale,       \
       float *__restrict__ qamax, cl_i64 qflags
 template <typename T, typename W, typename H, int NORM, int VEC, int NPT, int WARP, bool ADD>
-__global__ void __launch_bounds__(quant_max_threads<NORM, VEC, W>()) norm_fwd_q(CLN_FWD_Q_PARAMS) {
+__global__ void __launch_bounds__(quant_max_threads(NORM, VEC, sizeof(W))) norm_fwd_q(CLN_FWD_Q_PARAMS) {
   fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, ADD, 1, true, NORM>(
       CLN_FWD_ARGS, res, ldr, hout, qscale, yscale, qamax, (int)qflags);
 }
