@@ -339,7 +339,6 @@ std::vector<at::Tensor> backward_pass(const at::Tensor& dy_in, const at::Tensor&
   return {dx, dw, db};
 }
 
-
 bool deterministic(AutogradContext* ctx) {
   return ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
 }
