@@ -985,7 +985,7 @@ def _plan_bwd_grid(config, info, dtype, wdtype, is_ln, M, N, vec, residual=False
     most ``grid_add_sums`` tiles' row sums); None elsewhere."""
     cfg = config.bwd
     if not (cfg.grid_vecs and info.async_copy and tuned(dtype, vec)
-            and dtype != FLOAT64 and N // vec > cfg.grid_vecs):
+            and N // vec > cfg.grid_vecs):
         return None
     tpr = cfg.grid_tpr
     columns = cdiv(N // vec, tpr * cfg.grid_npt)  # column tiles per row

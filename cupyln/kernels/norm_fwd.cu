@@ -183,8 +183,9 @@ __device__ __forceinline__ typename Float8Vec<VEC>::type float8_pack(const C (&o
 }
 
 // Whether write_quantized flags a NaN per thread: where 16-byte vectors run, but for LayerNorm
-// with gamma and beta wider than x (the flag's registers spilled there). Plain arguments, not
-// template ones: HIP's __launch_bounds__ macro would split at their commas.
+// with gamma and beta wider than x (the flag's registers spilled there; in single elements
+// they halved the resident blocks). Plain arguments, not template ones: HIP's
+// __launch_bounds__ macro would split at their commas.
 __host__ __device__ constexpr bool quant_flagged(int norm, int vec, int wbytes) {
   return vec > 1 && (norm == cln::rmsnorm || wbytes * vec <= 16);
 }
@@ -215,10 +216,9 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
                                                  float* __restrict__ qscale,
                                                  const float* __restrict__ yscale, int qflags,
                                                  int phase) {
-  // This thread's largest |y| and, where 16-byte vectors run, whether one of its y is NaN
+  // This thread's largest |y| and, where flagged (quant_flagged), whether one of its y is NaN
   // (one more instruction an element): only then are its codes tested for NaN one pair at a
-  // time. Single elements, and LayerNorm's 16-bit rows with float32 gamma and beta, test every
-  // pair: the flag's registers halved the blocks of the first and spilled in the second.
+  // time; the other kernels test every pair.
   constexpr bool FLAGGED = quant_flagged(NORM, VEC, sizeof(W));
   typedef Pack<float, VEC> Y;
   extern __shared__ __align__(16) unsigned char cl_smem[];
@@ -1039,7 +1039,7 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
   const C inv_n = cl_inv_count(C(0), N);
   C n = C(0), mean = C(0), m2 = C(0);
   chunk_stats<false, WARP, VEC, NPT, false, TPR, 1>(ln, p, 0, 0, N, (cl_i64)TPR * NPT * VEC, 0,
-                                                       inv_n, n, mean, m2);
+                                                    inv_n, n, mean, m2);
   const C mu = ln ? mean : C(0);
   const C rstd = cl_rsqrt(m2 * inv_n + eps);
   if (!valid) return;  // after the row's reductions, which take every thread of the block
@@ -1049,5 +1049,5 @@ __global__ void __launch_bounds__(TPR > WARP ? TPR : 1024) norm_fwd_row(CLN_FWD_
   }
   // one code path for the output: faster than the four cases
   write_chunk<true, VEC, NPT, false, true>(p, 0, (int)N, mu, rstd, gamma, beta,
-                                          y + row * (int)N, hg, hb);
+                                           y + row * (int)N, hg, hb);
 }
