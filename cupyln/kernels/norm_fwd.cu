@@ -191,10 +191,13 @@ __host__ __device__ constexpr bool quant_flagged(int norm, int vec, int wbytes) 
 }
 
 // norm_fwd_q's launch bound: single elements in blocks of up to 1024 threads; the flagged
-// kernels held to 80 registers (65536 / 768), three blocks of 256 threads an SM rather than
-// two; the others at 512 (LayerNorm with 32-bit gamma lost at 80: it spilled).
+// kernels with 16-bit gamma held to 64 registers (four blocks of 256 threads an SM), the other
+// flagged ones to 80 (65536 / 768: three; 64 spilled); the rest at 512 (LayerNorm with 32-bit
+// gamma lost at 80: it spilled).
 __host__ __device__ constexpr int quant_max_threads(int norm, int vec, int wbytes) {
-  return vec == 1 ? 1024 : quant_flagged(norm, vec, wbytes) ? 768 : 512;
+  return vec == 1 || (wbytes == 2 && quant_flagged(norm, vec, wbytes)) ? 1024
+         : quant_flagged(norm, vec, wbytes)                           ? 768
+                                                                       : 512;
 }
 
 // The quantized forward's output of a row of one chunk (QUANT in fwd_rows): the chunk's y in
