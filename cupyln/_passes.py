@@ -377,14 +377,15 @@ def _quantized_forward(x, gamma, beta, eps, k, is_ln, out, config, residual, hdt
         vec = vec_width(x.dtype, N, lds, ptrs + [(yq.data.ptr, 1)])
         wdtype = next((p.dtype for p in (g2, b2) if p is not None), x.dtype)
         plan = _plan.plan_fwd(device_info(dev), config, x.dtype, wdtype, is_ln, M, N, vec,
-                              hdtype, False, True)  # (ValueError here: nothing written yet)
+                              hdtype, False, "row" if y_scale is None else "tensor")
+        # (a ValueError above: nothing written yet)
         if y_scale is not None:
             qs.fill(0)
         mean, rstd = res[1:3] if is_ln else (None, res[1])
         args = [ptr(xr), ldx, ptr(g2), ptr(b2), ptr(yq), ptr(mean), ptr(rstd), M, N, eps,
                 ptr(r2), ldr, ptr(h), ptr(qs) if y_scale is None else 0,
                 ptr(y_scale), ptr(qs) if y_scale is not None else 0,
-                int(np.dtype(y_dtype).name == "float8_e5m2") | (2 * (y_scale is not None))]
+                int(np.dtype(y_dtype).name == "float8_e5m2")]
         launcher(plan.launch["fwd"])(_current_stream().ptr, *args)
         return tuple(res)
 

@@ -170,10 +170,10 @@ def _fwd_specs(cfg: FwdRows, s: Spec, clusters):
                 yield s._replace(npt=n, peeled=True, hdtype=h), "fwd"
             yield s._replace(npt=cfg.npt, peeled=True, hdtype=h), "fwd_long"
     # y in float8: rows of one chunk
-    for n, h, ln in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
-                                      (None, *h_dtypes(s.dtype)),
-                                      (True, False) if s.wide else (None,)):
-        yield s._replace(npt=n, hdtype=h, quant=True, ln=ln), "fwd"
+    for n, h, ln, q in itertools.product([n for n in (1, 2, 4) if n <= cfg.npt],
+                                         (None, *h_dtypes(s.dtype)),
+                                         (True, False) if s.wide else (None,), ("row", "tensor")):
+        yield s._replace(npt=n, hdtype=h, quant=q, ln=ln), "fwd"
 
 
 def _bwd_specs(cfg: BwdRows, s: Spec, clusters):
@@ -487,15 +487,15 @@ def _fwd_kinds(dtype, hdtype):
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, hdtype=None,
-             peel=False, quant=False):
+             peel=False, quant=None):
     """Forward geometry and kernel; ``hdtype``: the fused residual add's h; ``peel``: rows
     that 16-byte vectors do not fit, starting alike in x and y within 16 bytes (the caller's
-    check), so that their heads and tails can be peeled off; ``quant``: y in float8.
-    ValueError where the plan's grid passes the device's limits, or (``quant``) where one
-    block does not hold the row."""
+    check), so that their heads and tails can be peeled off; ``quant``: y in float8 scaled
+    per row (``"row"``) or by one static scale (``"tensor"``). ValueError where the plan's
+    grid passes the device's limits, or (``quant``) where one block does not hold the row."""
     if quant:
         plan = _plan_fwd_quant(settings(config, family(info.hip, info.warp, info.clusters)),
-                               info, dtype, wdtype, is_ln, M, N, vec, hdtype)
+                               info, dtype, wdtype, is_ln, M, N, vec, hdtype, quant)
     else:
         plan = _fwd_plan(info, config, dtype, wdtype, is_ln, M, N, vec, hdtype, peel)
     return _within_grid(plan, info, "forward", N)
@@ -504,10 +504,12 @@ def plan_fwd(info: DeviceInfo, config: Config, dtype, wdtype, is_ln, M, N, vec, 
 QUANT_THREADS = 512  # norm_fwd_q's launch bound past one element a vector: 1024 spilled
 
 
-def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
+def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype, scaling):
     """y in float8 (norm_fwd_q): rows of one chunk held by one block in registers, in the
-    general forward's geometry (one vector per thread for small M), y kept in shared memory
-    between the amax and the output; ValueError for longer rows."""
+    general forward's geometry (one vector per thread for small M); scaled per row, y kept in
+    shared memory between the row's amax and the output, under a static scale written as
+    computed; ValueError for longer rows."""
+    assert scaling in ("row", "tensor"), scaling
     cfg = config.fwd
     if vec > 1:
         cfg = dataclasses.replace(cfg, tpr_max=min(cfg.tpr_max, QUANT_THREADS))
@@ -519,10 +521,11 @@ def _plan_fwd_quant(config, info, dtype, wdtype, is_ln, M, N, vec, hdtype):
             f"got {N}")
     grid, block = (min(cdiv(M, g.rpb), info.sms * cfg.grid_per_sm),), (g.tpr, g.rpb)
     spec = Spec(dtype, wdtype, vec, g.npt, info.warp, hip=info.hip, hdtype=hdtype,
-                quant=True, ln=is_ln if tuned(dtype, vec) else None)
+                quant=scaling, ln=is_ln if tuned(dtype, vec) else None)
     kern = info.kernels(spec, "fwd", config.source)["fwd_q"]
-    smem = g.tpr * g.rpb * g.npt * vec * 4  # each thread's y in float32 between its two passes
-    if smem + kernel_resource(kern, "shared_size_bytes") > info.smem_per_block:
+    # each thread's y in float32 between its two passes
+    smem = g.tpr * g.rpb * g.npt * vec * 4 if scaling == "row" else 0
+    if smem and smem + kernel_resource(kern, "shared_size_bytes") > info.smem_per_block:
         raise ValueError(
             f"float8 y on the GPU keeps each row's y in a block's shared memory: {N} elements "
             f"need {smem} bytes, more than this device's {info.smem_per_block}")

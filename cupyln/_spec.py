@@ -29,7 +29,8 @@ class Spec(NamedTuple):
     peeled: bool = False  # rows' heads and tails peeled off 16-byte vectors (their kernels alone)
     resident: bool = False  # rows held in a cluster's shared memory (their kernels alone)
     grid: tuple[int, ...] = ()  # rows over a cooperative grid: (buffers, lag, rows a step) (alone)
-    quant: bool = False  # forward: y in float8 (its kernel alone; hdtype: with the fused add)
+    quant: str | None = None  # forward: y in float8 scaled per "row" or by one "tensor" scale
+    # (its kernel alone; hdtype: with the fused add)
     ln: bool | None = None  # LayerNorm or RMSNorm, for the kernels that fix it (kernels' is_ln)
 
     def _types(self):
@@ -100,8 +101,9 @@ class Spec(NamedTuple):
                                                                "residual_add")
             # its norm fixed where 16-byte vectors run (faster there), else decided at run time
             norm = self._norm() if self.wide else "cln::either_norm"
+            scaling = {"row": "row_scales", "tensor": "tensor_scale"}[self.quant]
             return {"fwd_q": f"norm_fwd_q<{t}, {w}, {h}, {norm}, {self.vec}, {self.npt}, "
-                             f"{self.warp}, cln::{add}>"}
+                             f"{self.warp}, cln::{add}, cln::{scaling}>"}
         if self.peeled:
             return self._fwd_peeled_names()
         if self.resident:  # rows split over a cluster, in its shared memory

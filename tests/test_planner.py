@@ -147,7 +147,7 @@ def _fake_resident_blocks(kern, threads, smem):
 
 def _plan_without_gpu(pass_, dt, M, N, warp, clusters=True, config=DEFAULT, hip=False,
                       hdtype=None, residual=False, peel=False, is_ln=True, most_blocks=16,
-                      most_smem=None, at_once=1, quant=False):
+                      most_smem=None, at_once=1, quant=None):
     """The plan of contiguous (M, N) LayerNorm inputs of dtype ``dt`` on a mocked H200-like
     device (kernels not compiled; the driver places any cluster), and the kernels of the modules
     it asked for, by variant name. ``hdtype``, ``residual``: the fused residual add's forward
@@ -1027,7 +1027,7 @@ GOLDEN = pathlib.Path(__file__).with_name("golden_plans.json")
 ARCHS = {"sm_90": dict(warp=32), "sm_80": dict(warp=32, clusters=False),
          "cdna": dict(warp=64, hip=True), "rdna": dict(warp=32, hip=True)}
 KINDS = {"fwd": dict(pass_="fwd"), "bwd": dict(pass_="bwd"), "fwd_add": dict(pass_="fwd"),
-         "bwd_add": dict(pass_="bwd", residual=True), "fwd_float8": dict(pass_="fwd", quant=True)}
+         "bwd_add": dict(pass_="bwd", residual=True), "fwd_float8": dict(pass_="fwd", quant="row")}
 
 
 def _golden_shapes():
@@ -1106,28 +1106,34 @@ def test_every_plan_launches_offline_kernels_within_the_devices_limits(dt, M, N,
 
 
 @given(st.sampled_from(["float16", "bfloat16", "float32", "float64"]), st.integers(1, 1 << 18),
-       st.integers(1, 40000), WARPS, st.booleans(), st.booleans())
-def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, warp, add, hip):
+       st.integers(1, 40000), WARPS, st.booleans(), st.booleans(),
+       st.sampled_from(["row", "tensor"]))
+def test_float8_plans_take_their_kernel_where_one_block_holds_the_row(dt, M, N, warp, add, hip,
+                                                                       scaling):
     """y in float8: norm_fwd_q of the offline list, 16-byte vectors or single elements, each
     row in one chunk of one block's threads (at most the kernel's launch bound) and every row
     covered, wherever that many threads of ``npt`` vectors hold the row; a ValueError past
-    that."""
+    that. Scaled per row, each thread's y has room in shared memory; under a static scale the
+    launch takes none."""
     dtype = _dtype(dt)
     vec = _layout.vec_width(dtype, N, (N,), [])
     h = dtype if add else None
     threads = _plan.QUANT_THREADS if vec > 1 else FWD.tpr_max
     if N > threads * FWD.npt * vec:
         with pytest.raises(ValueError, match="rows that one block holds: at most"):
-            _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
+            _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=scaling)
         return
-    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=True)
+    plan, built = _plan_without_gpu("fwd", dt, M, N, warp, hip=hip, hdtype=h, quant=scaling)
     s, (tpr, rpb) = plan.spec, plan.block
-    assert plan.variant == "fwd_q" and s.quant and s.hdtype == h and s.vec == vec
-    assert plan.kern.name == built["fwd_q"] and f"cln::{'residual_add' if add else 'no_add'}>" \
-        in plan.kern.name
+    assert plan.variant == "fwd_q" and s.quant == scaling and s.hdtype == h and s.vec == vec
+    scaled = "row_scales" if scaling == "row" else "tensor_scale"
+    assert plan.kern.name == built["fwd_q"] and \
+        f"cln::{'residual_add' if add else 'no_add'}, cln::{scaled}>" in plan.kern.name
     assert built["fwd_q"] in _plan.all_kernel_names(warp, hip=hip)
     assert tpr * s.npt * vec >= N and tpr * rpb <= threads
     assert plan.grid[0] * rpb >= M or plan.grid[0] == 132 * FWD.grid_per_sm
+    assert plan.smem == plan.launch["fwd"].smem == \
+        (tpr * rpb * s.npt * vec * 4 if scaling == "row" else 0)
 
 
 def test_float8_threads_are_the_kernels_launch_bound():

@@ -26,6 +26,7 @@ constexpr bool peeled = true;                           // rows' heads and tails
 constexpr bool col_tiles = true, row_blocks = false;    // long rows on column tiles
 constexpr bool dresidual = true;                        // the fused add's gradient added to dx
 constexpr bool residual_add = true, no_add = false;     // the float8 forward's fused add
+constexpr int row_scales = 1, tensor_scale = 2;  // the float8 forward's scaling (0: none)
 constexpr int dresidual_staged = 2;  // the same, staged in shared memory (norm_bwd_resident)
 }  // namespace cln
 

@@ -200,24 +200,53 @@ __host__ __device__ constexpr int quant_max_threads(int norm, int vec, int wbyte
                                                                        : 512;
 }
 
+// write_quantized's rows under a static scale: each vector's codes stored as computed, with no
+// row amax to wait for; returns this thread's largest |y| (fwd_rows reduces it once, at the end).
+// A scale that is not finite or not above 0 gives NaN codes.
+template <bool HELD, int VEC, int NPT, typename W, typename C, typename R, typename H>
+__device__ __forceinline__ float write_static(const R (&p)[NPT], int N, C mu, C rstd,
+                                              const W* __restrict__ gamma,
+                                              const W* __restrict__ beta, const H (&hg)[NPT],
+                                              const H (&hb)[NPT], cl_i64 row,
+                                              unsigned char* __restrict__ yq, float scale,
+                                              bool e5m2) {
+  const bool usable = scale > 0.0f && scale < __uint_as_float(0x7f800000u);  // finite, > 0
+  if (!usable) scale = __uint_as_float(0x7fc00000u);  // NaN: every quotient NaN
+  const ClReciprocal divide{ClDivisor(scale)};
+  float m = 0.0f;
+  auto store = [&](auto e5m2_) {
+    chunk_outputs<HELD, VEC, NPT, false>(
+        p, 0, N, mu, rstd, gamma, beta, hg, hb, [&](int, int col, const C (&o)[VEC]) {
+          float y[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            y[j] = (float)o[j];
+            m = fmaxf(m, fabsf(y[j]));
+          }
+          *reinterpret_cast<typename Float8Vec<VEC>::type*>(yq + row * N + col) =
+              float8_pack<decltype(e5m2_)::value, true>(y, divide);
+        });
+  };
+  if (e5m2) store(BoolC<true>());
+  else store(BoolC<false>());
+  return m;
+}
+
 // The quantized forward's output of a row of one chunk (QUANT in fwd_rows): the chunk's y in
 // float32 (as the reference rounds it), kept in dynamic shared memory (NPT vectors a thread:
 // the host gives blockDim.x * blockDim.y * NPT * VEC floats), the row's amax (ClMax over its
 // threads; every thread of the block calls, `valid` or not), then y / scale in float8
 // (float8_pack) from what the thread kept: x, gamma and beta are not needed past the amax
-// pass (fewer registers), and y is not computed twice. qflags bit 0: float8_e5m2 (else
-// e4m3fn); bit 1: one static scale *yscale (NaN out where it is not finite or not above 0),
-// else each row's amax / fmax (1 where 0), stored to qscale[row]. Returns the row's amax (0
-// for an invalid row).
+// pass (fewer registers), and y is not computed twice. The scale, each row's amax / fmax (1
+// where 0), is stored to qscale[row]; qflags bit 0: float8_e5m2 (else e4m3fn).
 template <bool HELD, int VEC, int NPT, int WARP, int NORM, typename W, typename C, typename R,
           typename H>
-__device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu, C rstd,
+__device__ __forceinline__ void write_quantized(const R (&p)[NPT], int N, C mu, C rstd,
                                                  const W* __restrict__ gamma,
                                                  const W* __restrict__ beta, const H (&hg)[NPT],
                                                  const H (&hb)[NPT], bool valid, cl_i64 row,
                                                  unsigned char* __restrict__ yq,
-                                                 float* __restrict__ qscale,
-                                                 const float* __restrict__ yscale, int qflags,
+                                                 float* __restrict__ qscale, int qflags,
                                                  int phase) {
   // This thread's largest |y| and, where flagged (quant_flagged), whether one of its y is NaN
   // (one more instruction an element): only then are its codes tested for NaN one pair at a
@@ -243,20 +272,12 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
                                          });
   bool nans = !FLAGGED || n != n;
   row_allreduce<WARP, 0, ClMax>(m, phase);
-  if (!valid) return 0.0f;
+  if (!valid) return;
   const bool e5m2 = qflags & 1;
-  const float inf = __uint_as_float(0x7f800000u);
-  float scale;
-  if (qflags & 2) {
-    scale = *yscale;
-    const bool usable = scale > 0.0f && scale < inf;  // finite, > 0
-    if (!usable) scale = __uint_as_float(0x7fc00000u);  // NaN: every quotient NaN
-  } else {
-    scale = m[0] > 0.0f ? ClDivisor(e5m2 ? 57344.0f : 448.0f)(m[0]) : 1.0f;
-    if (threadIdx.x == 0) qscale[row] = scale;
-  }
-  // quotients by an unusable static scale, and infinities over an infinite one, are NaN too
-  nans = nans || !(scale < inf) || !(m[0] < inf);
+  const float scale = m[0] > 0.0f ? ClDivisor(e5m2 ? 57344.0f : 448.0f)(m[0]) : 1.0f;
+  if (threadIdx.x == 0) qscale[row] = scale;
+  // infinities over an infinite scale are NaN too
+  nans = nans || !(m[0] < __uint_as_float(0x7f800000u));
   // the format is chosen once, not per element
   auto store = [&](auto e5m2_, auto nans_) {
     const ClReciprocal divide{ClDivisor(scale)};
@@ -276,7 +297,6 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
     if (e5m2) store(BoolC<true>(), BoolC<false>());
     else store(BoolC<false>(), BoolC<false>());
   }
-  return m[0];
 }
 
 // Rows of one chunk (CHUNKED = false: the row stays in registers, packed as loaded, and x is
@@ -289,17 +309,18 @@ __device__ __forceinline__ float write_quantized(const R (&p)[NPT], int N, C mu,
 // CL > 1: each row split over the CL blocks of a cluster (gridDim.y == CL, one row per block at
 // a time): a chunk spans the cluster, block r holding its part r, and the chunk's sums are added
 // through distributed shared memory.
-// QUANT: y in float8 bits (write_quantized; qscale, yscale, qflags as there), rows of one chunk
-// only; with a static scale the largest |y| of all rows goes to *qamax (zeroed by the host) by
-// one atomic max per thread that wrote a row's scale.
+// QUANT (cln::row_scales, cln::tensor_scale): y in float8 bits, rows of one chunk only; scaled
+// per row (write_quantized, qscale and qflags as there) or by the static scale *yscale
+// (write_static), the largest |y| of all rows then going to *qamax (zeroed by the host) by one
+// atomic max per row of threads, after the last row.
 template <typename T, bool QUANT> struct YOut { typedef T type; };
 template <typename T> struct YOut<T, true> { typedef unsigned char type; };
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, int VEC,
           int NPT, int WARP, bool FULL = false, typename H = T, bool ADD = false, int CL = 1,
-          bool QUANT = false, int NORM = cln::either_norm>
+          int QUANT = 0, int NORM = cln::either_norm>
 __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
                                          const W* __restrict__ gamma, const W* __restrict__ beta,
-                                         typename YOut<T, QUANT>::type* __restrict__ y,
+                                         typename YOut<T, QUANT != 0>::type* __restrict__ y,
                                          float* __restrict__ mean_out,
                                          float* __restrict__ rstd_out, cl_i64 M, cl_i64 N,
                                          typename Acc<T>::type eps,
@@ -347,7 +368,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   if constexpr (STAGED) require_dynamic_smem(2u * NPT * threads * sizeof(P));
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
   int phase = 0;
-  float amax = 0.0f;  // QUANT: the largest |y| of this thread's rows
+  float amax = 0.0f;  // a static scale's: the largest |y| of this thread's rows
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
@@ -381,10 +402,13 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       if (ln) mean_out[row] = (float)mu;
       rstd_out[row] = (float)rstd;
     }
-    if constexpr (QUANT) {
-      amax = fmaxf(amax, write_quantized<EARLY, VEC, NPT, WARP, NORM>(
-                             p, (int)N, mu, rstd, gamma, beta, hg, hb, valid, row, y, qscale,
-                             yscale, qflags, phase));
+    if constexpr (QUANT == cln::tensor_scale) {
+      if (valid)
+        amax = fmaxf(amax, write_static<EARLY, VEC, NPT>(p, (int)N, mu, rstd, gamma, beta, hg,
+                                                         hb, row, y, *yscale, qflags & 1));
+    } else if constexpr (QUANT == cln::row_scales) {
+      write_quantized<EARLY, VEC, NPT, WARP, NORM>(p, (int)N, mu, rstd, gamma, beta, hg, hb,
+                                                   valid, row, y, qscale, qflags, phase);
     } else {
       for (int c = 0; c < nchunks && valid; ++c) {
         const cl_i64 t0 = c * span + tile;
@@ -398,9 +422,11 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
       }
     }
   }
-  if constexpr (QUANT) {  // non-negative floats order as their bits do
-    if ((qflags & 2) && threadIdx.x == 0 && amax > 0.0f)
-      atomicMax(reinterpret_cast<int*>(qamax), __float_as_int(amax));
+  if constexpr (QUANT == cln::tensor_scale) {  // non-negative floats order as their bits do
+    float a[1] = {amax};
+    row_allreduce<WARP, 0, ClMax>(a, phase);
+    if (threadIdx.x == 0 && a[0] > 0.0f)
+      atomicMax(reinterpret_cast<int*>(qamax), __float_as_int(a[0]));
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
   // a cluster's blocks leave together: none exits while its sums may still be on their way
@@ -728,17 +754,19 @@ __global__ void __launch_bounds__(1024) norm_fwd_add(CLN_FWD_ADD_PARAMS) {
                                                                           hout);
 }
 
-// y in float8 (fwd_rows' QUANT), of the plain rows or of the fused add's: rows of one chunk,
-// 16-byte vectors or single elements (the planner's rule, as the fused add's).
+// y in float8 (fwd_rows' QUANT: scaled per row or by one static scale), of the plain rows or
+// of the fused add's: rows of one chunk, 16-byte vectors or single elements (the planner's
+// rule, as the fused add's). qflags: float8_e5m2 (else e4m3fn).
 #define CLN_FWD_Q_PARAMS                                                                      \
   const T *__restrict__ x, cl_i64 ldx, const W *__restrict__ gamma, const W *__restrict__ beta, \
       unsigned char *__restrict__ y, float *__restrict__ mean_out, float *__restrict__ rstd_out, \
       cl_i64 M, cl_i64 N, typename Acc<T>::type eps, const H *__restrict__ res, cl_i64 ldr,     \
       H *__restrict__ hout, float *__restrict__ qscale, const float *__restrict__ yscale,       \
       float *__restrict__ qamax, cl_i64 qflags
-template <typename T, typename W, typename H, int NORM, int VEC, int NPT, int WARP, bool ADD>
+template <typename T, typename W, typename H, int NORM, int VEC, int NPT, int WARP, bool ADD,
+          int QUANT>
 __global__ void __launch_bounds__(quant_max_threads(NORM, VEC, sizeof(W))) norm_fwd_q(CLN_FWD_Q_PARAMS) {
-  fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, ADD, 1, true, NORM>(
+  fwd_rows<false, false, false, T, W, VEC, NPT, WARP, false, H, ADD, 1, QUANT, NORM>(
       CLN_FWD_ARGS, res, ldr, hout, qscale, yscale, qamax, (int)qflags);
 }
 
