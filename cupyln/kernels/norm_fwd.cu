@@ -312,7 +312,7 @@ __device__ __forceinline__ void write_quantized(const R (&p)[NPT], int N, C mu, 
 // QUANT (cln::row_scales, cln::tensor_scale): y in float8 bits, rows of one chunk only; scaled
 // per row (write_quantized, qscale and qflags as there) or by the static scale *yscale
 // (write_static), the largest |y| of all rows then going to *qamax (zeroed by the host) by one
-// atomic max per row of threads, after the last row.
+// atomic max per block, after the last row.
 template <typename T, bool QUANT> struct YOut { typedef T type; };
 template <typename T> struct YOut<T, true> { typedef unsigned char type; };
 template <bool CHUNKED, bool STAGE, bool EARLY_PARAMS, typename T, typename W, int VEC,
@@ -423,10 +423,16 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     }
   }
   if constexpr (QUANT == cln::tensor_scale) {  // non-negative floats order as their bits do
+    // one atomic a block, not one a row of threads: many on one address queued at the end
+    __shared__ int block_amax;
     float a[1] = {amax};
     row_allreduce<WARP, 0, ClMax>(a, phase);
-    if (threadIdx.x == 0 && a[0] > 0.0f)
-      atomicMax(reinterpret_cast<int*>(qamax), __float_as_int(a[0]));
+    const bool first = threadIdx.x == 0 && threadIdx.y == 0;
+    if (first) block_amax = 0;
+    __syncthreads();
+    if (threadIdx.x == 0 && a[0] > 0.0f) atomicMax(&block_amax, __float_as_int(a[0]));
+    __syncthreads();
+    if (first && block_amax > 0) atomicMax(reinterpret_cast<int*>(qamax), block_amax);
   }
   async_wait<0>();  // the copies past the last row (zero fills) land before the block exits
   // a cluster's blocks leave together: none exits while its sums may still be on their way
