@@ -101,6 +101,7 @@ struct ClDivisor {
 // between them. A NaN divisor gives NaN.
 struct ClReciprocal {
   float rp1, p2;
+  ClReciprocal() = default;
   __device__ __forceinline__ explicit ClReciprocal(const ClDivisor& d) : rp1(d.r * d.p1), p2(d.p2) {}
   __device__ __forceinline__ float operator()(float a) const { return __fmul_rn(a, rp1) * p2; }
 };

@@ -200,19 +200,25 @@ __host__ __device__ constexpr int quant_max_threads(int norm, int vec, int wbyte
                                                                        : 512;
 }
 
-// write_quantized's rows under a static scale: each vector's codes stored as computed, with no
-// row amax to wait for; returns this thread's largest |y| (fwd_rows reduces it once, at the end).
-// A scale that is not finite or not above 0 gives NaN codes.
+// y / *yscale for write_static, made once a thread: a scale that is not finite or not above 0
+// gives NaN quotients, so NaN codes.
+__device__ __forceinline__ ClReciprocal static_divide(const float* __restrict__ yscale) {
+  float scale = *yscale;
+  const bool usable = scale > 0.0f && scale < __uint_as_float(0x7f800000u);  // finite, > 0
+  if (!usable) scale = __uint_as_float(0x7fc00000u);
+  return ClReciprocal{ClDivisor(scale)};
+}
+
+// write_quantized's rows under a static scale (divide: static_divide's): each vector's codes
+// stored as computed, with no row amax to wait for; returns this thread's largest |y| (fwd_rows
+// reduces it once, at the end).
 template <bool HELD, int VEC, int NPT, typename W, typename C, typename R, typename H>
 __device__ __forceinline__ float write_static(const R (&p)[NPT], int N, C mu, C rstd,
                                               const W* __restrict__ gamma,
                                               const W* __restrict__ beta, const H (&hg)[NPT],
                                               const H (&hb)[NPT], cl_i64 row,
-                                              unsigned char* __restrict__ yq, float scale,
-                                              bool e5m2) {
-  const bool usable = scale > 0.0f && scale < __uint_as_float(0x7f800000u);  // finite, > 0
-  if (!usable) scale = __uint_as_float(0x7fc00000u);  // NaN: every quotient NaN
-  const ClReciprocal divide{ClDivisor(scale)};
+                                              unsigned char* __restrict__ yq,
+                                              const ClReciprocal& divide, bool e5m2) {
   float m = 0.0f;
   auto store = [&](auto e5m2_) {
     chunk_outputs<HELD, VEC, NPT, false>(
@@ -369,6 +375,8 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
   prefetch((cl_i64)blockIdx.x * blockDim.y + threadIdx.y, 0);
   int phase = 0;
   float amax = 0.0f;  // a static scale's: the largest |y| of this thread's rows
+  ClReciprocal divide{};
+  if constexpr (QUANT == cln::tensor_scale) divide = static_divide(yscale);
   // Every thread of the block runs the same number of iterations (the reductions need all).
   for (cl_i64 base = (cl_i64)blockIdx.x * blockDim.y; base < M; base += step) {
     const cl_i64 row = base + threadIdx.y;
@@ -405,7 +413,7 @@ __device__ __forceinline__ void fwd_rows(const T* __restrict__ x, cl_i64 ldx,
     if constexpr (QUANT == cln::tensor_scale) {
       if (valid)
         amax = fmaxf(amax, write_static<EARLY, VEC, NPT>(p, (int)N, mu, rstd, gamma, beta, hg,
-                                                         hb, row, y, *yscale, qflags & 1));
+                                                         hb, row, y, divide, qflags & 1));
     } else if constexpr (QUANT == cln::row_scales) {
       write_quantized<EARLY, VEC, NPT, WARP, NORM>(p, (int)N, mu, rstd, gamma, beta, hg, hb,
                                                    valid, row, y, qscale, qflags, phase);
