@@ -210,8 +210,9 @@ __device__ __forceinline__ ClReciprocal static_divide(const float* __restrict__ 
 }
 
 // write_quantized's rows under a static scale (divide: static_divide's): each vector's codes
-// stored as computed, with no row amax to wait for; returns this thread's largest |y| (fwd_rows
-// reduces it once, at the end).
+// stored as computed, with no row amax to wait for, tested for NaN one pair at a time only in
+// a vector that holds a NaN y or under an unusable (NaN) scale; returns this thread's largest
+// |y| (fwd_rows reduces it once, at the end).
 template <bool HELD, int VEC, int NPT, typename W, typename C, typename R, typename H>
 __device__ __forceinline__ float write_static(const R (&p)[NPT], int N, C mu, C rstd,
                                               const W* __restrict__ gamma,
@@ -220,17 +221,21 @@ __device__ __forceinline__ float write_static(const R (&p)[NPT], int N, C mu, C 
                                               unsigned char* __restrict__ yq,
                                               const ClReciprocal& divide, bool e5m2) {
   float m = 0.0f;
+  const float scale_nan = divide(0.0f);  // NaN exactly where the scale is
   auto store = [&](auto e5m2_) {
+    constexpr bool E5M2 = decltype(e5m2_)::value;
     chunk_outputs<HELD, VEC, NPT, false>(
         p, 0, N, mu, rstd, gamma, beta, hg, hb, [&](int, int col, const C (&o)[VEC]) {
-          float y[VEC];
+          float y[VEC], n = scale_nan;
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             y[j] = (float)o[j];
             m = fmaxf(m, fabsf(y[j]));
+            n = cl_max_nan(n, y[j]);
           }
-          *reinterpret_cast<typename Float8Vec<VEC>::type*>(yq + row * N + col) =
-              float8_pack<decltype(e5m2_)::value, true>(y, divide);
+          auto* q = reinterpret_cast<typename Float8Vec<VEC>::type*>(yq + row * N + col);
+          if (n == n) *q = float8_pack<E5M2, false>(y, divide);
+          else *q = float8_pack<E5M2, true>(y, divide);
         });
   };
   if (e5m2) store(BoolC<true>());
