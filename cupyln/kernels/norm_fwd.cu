@@ -190,10 +190,10 @@ __host__ __device__ constexpr bool quant_flagged(int norm, int vec, int wbytes) 
   return vec > 1 && (norm == cln::rmsnorm || wbytes * vec <= 16);
 }
 
-// norm_fwd_q's launch bound: single elements in blocks of up to 1024 threads; the flagged
-// kernels with 16-bit gamma held to 64 registers (four blocks of 256 threads an SM), the other
-// flagged ones to 80 (65536 / 768: three; 64 spilled); the rest at 512 (LayerNorm with 32-bit
-// gamma lost at 80: it spilled).
+// norm_fwd_q's launch bound (either scaling): single elements in blocks of up to 1024
+// threads; the flagged kernels with 16-bit gamma held to 64 registers (four blocks of 256
+// threads an SM), the other flagged ones to 80 (65536 / 768: three; 64 spilled); the rest at
+// 512 (LayerNorm with 32-bit gamma lost at 80: it spilled).
 __host__ __device__ constexpr int quant_max_threads(int norm, int vec, int wbytes) {
   return vec == 1 || (wbytes == 2 && quant_flagged(norm, vec, wbytes)) ? 1024
          : quant_flagged(norm, vec, wbytes)                           ? 768
@@ -253,12 +253,12 @@ __device__ __forceinline__ float write_static(const R (&p)[NPT], int N, C mu, C 
 template <bool HELD, int VEC, int NPT, int WARP, int NORM, typename W, typename C, typename R,
           typename H>
 __device__ __forceinline__ void write_quantized(const R (&p)[NPT], int N, C mu, C rstd,
-                                                 const W* __restrict__ gamma,
-                                                 const W* __restrict__ beta, const H (&hg)[NPT],
-                                                 const H (&hb)[NPT], bool valid, cl_i64 row,
-                                                 unsigned char* __restrict__ yq,
-                                                 float* __restrict__ qscale, int qflags,
-                                                 int phase) {
+                                                const W* __restrict__ gamma,
+                                                const W* __restrict__ beta, const H (&hg)[NPT],
+                                                const H (&hb)[NPT], bool valid, cl_i64 row,
+                                                unsigned char* __restrict__ yq,
+                                                float* __restrict__ qscale, int qflags,
+                                                int phase) {
   // This thread's largest |y| and, where flagged (quant_flagged), whether one of its y is NaN
   // (one more instruction an element): only then are its codes tested for NaN one pair at a
   // time; the other kernels test every pair.
