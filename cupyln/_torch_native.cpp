@@ -1,4 +1,4 @@
-// cupyln.torch's C++ layer: LayerNorm and RMSNorm as C++ autograd functions on CUDA tensors, so
+// cupyln.torch's C++ layer: LayerNorm and RMSNorm of CUDA tensors with C++ autograd nodes, so
 // that a module call costs the host what torch's own norm does (no Python autograd node, no
 // Python on the backward's thread). It runs the prepared passes that cupyln's Python layer made
 // (cupyln/_recipe.py: checks, scratch and launches as data) through the driver's launch call;
@@ -6,6 +6,10 @@
 // captured into a CUDA graph asks the Python layer, which runs the call and hands back the
 // recipe for the next ones. Built on first use by torch.utils.cpp_extension; no CUDA headers.
 
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -20,7 +24,6 @@
 #include <unordered_map>
 
 namespace py = pybind11;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 namespace {
@@ -339,101 +342,105 @@ std::vector<at::Tensor> backward_pass(const at::Tensor& dy_in, const at::Tensor&
   return {dx, dw, db};
 }
 
-bool deterministic(AutogradContext* ctx) {
-  return ctx->saved_data["det"].toBool() || at::globalContext().deterministicAlgorithms();
-}
+// ---------------------------------------------------------------------------- autograd
 
-// The autograd edge of each tensor input (an absent optional has none), -1 for none.
-std::vector<int> edges(std::initializer_list<bool> present) {
-  std::vector<int> e;
-  int n = 0;
-  for (bool p : present) e.push_back(p ? n++ : -1);
-  return e;
-}
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
 
-bool needs(AutogradContext* ctx, int edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
+// The node of a recorded call, made as torch's generated nodes are (no autograd context, no
+// Function::apply: a third of a call's host time): edges to x, the residual (fused add only),
+// weight and bias.
+struct NormBackward : public Node {
+  SavedVariable rows_in, weight, mean, rstd;  // rows_in: x as the kernels read it, or h
+  int64_t k = 0;
+  bool is_ln = true, add = false, det = false;
+  double woff = 0.0;
+  at::ScalarType x_dtype = at::kFloat, r_dtype = at::kFloat;
 
-void save_flags(AutogradContext* ctx, int64_t k, bool is_ln, double woff, bool det,
-                const at::Tensor& w, const at::Tensor& b) {
-  ctx->saved_data["k"] = k;
-  ctx->saved_data["is_ln"] = is_ln;
-  ctx->saved_data["woff"] = woff;
-  ctx->saved_data["det"] = det;
-  ctx->saved_data["has_w"] = w.defined();
-  ctx->saved_data["has_b"] = b.defined();
-}
-
-struct Norm : public torch::autograd::Function<Norm> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
-                            const c10::optional<at::Tensor>& weight,
-                            const c10::optional<at::Tensor>& bias, int64_t k, double eps,
-                            bool is_ln, double woff, bool det) {
-    at::Tensor w = opt(weight), b = opt(bias), xr = rows(x, k);  // saved as the kernels read it
-    auto out = forward_pass(xr, w, b, at::Tensor(), k, eps, is_ln, woff, c10::nullopt);
-    ctx->save_for_backward({xr, w, out[1], out[2]});
-    save_flags(ctx, k, is_ln, woff, det, w, b);
-    return out[0];
+  std::string name() const override {
+    return add ? "cupyln::AddNormBackward" : "cupyln::NormBackward";
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    bool is_ln = ctx->saved_data["is_ln"].toBool();
-    auto e = edges({true, ctx->saved_data["has_w"].toBool(), ctx->saved_data["has_b"].toBool()});
-    auto g = backward_pass(grads[0], saved[0], saved[1], saved[2], saved[3],
-                           at::Tensor(),
-                           ctx->saved_data["k"].toInt(), is_ln,
-                           ctx->saved_data["woff"].toDouble(), deterministic(ctx),
-                           needs(ctx, e[0]), needs(ctx, e[1]), is_ln && needs(ctx, e[2]));
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-// The fused residual add: (y, h) of h = x + residual, both differentiable; x's and residual's
-// gradients are dx of the norm of h plus h's own gradient, each in its input's dtype.
-struct AddNorm : public torch::autograd::Function<AddNorm> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& r,
-                               const c10::optional<at::Tensor>& weight,
-                               const c10::optional<at::Tensor>& bias, int64_t k, double eps,
-                               bool is_ln, double woff, c10::optional<at::ScalarType> hdtype,
-                               bool det) {
-    at::Tensor w = opt(weight), b = opt(bias);
-    auto out = forward_pass(x, w, b, r, k, eps, is_ln, woff, hdtype);
-    ctx->save_for_backward({out[3], w, out[1], out[2]});
-    save_flags(ctx, k, is_ln, woff, det, w, b);
-    ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["r_dtype"] = r.scalar_type();
-    return {out[0], out[3]};
+  void release_variables() override {
+    rows_in.reset_data();
+    weight.reset_data();
+    mean.reset_data();
+    rstd.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &h = saved[0], &weight = saved[1];
-    bool is_ln = ctx->saved_data["is_ln"].toBool();
-    auto e = edges({true, true, ctx->saved_data["has_w"].toBool(),
-                    ctx->saved_data["has_b"].toBool()});
-    bool need_x = needs(ctx, e[0]), need_r = needs(ctx, e[1]), need_h = need_x || need_r;
-    bool need_w = needs(ctx, e[2]), need_b = is_ln && needs(ctx, e[3]);
-    at::Tensor dy = grads[0].to(h.scalar_type());  // dy in h's dtype: the backward's rule
+  variable_list apply(variable_list&& grads) override {
+    at::Tensor h = rows_in.unpack(), w0 = weight.unpack();
+    size_t pw = add ? 2 : 1;  // the weight's edge
+    bool need_x = task_should_compute_output(0), need_r = add && task_should_compute_output(1);
+    bool need_h = need_x || need_r, need_w = task_should_compute_output(pw);
+    bool need_b = is_ln && task_should_compute_output(pw + 1);
+    // dy in h's dtype (the backward's rule); zero where y was not used
+    at::Tensor dy = !grads[0].defined() ? at::zeros_like(h, at::MemoryFormat::Contiguous)
+                    : add               ? grads[0].to(h.scalar_type())
+                                        : grads[0];
+    at::Tensor dh = add && need_h ? grads[1] : at::Tensor();  // undefined: h not used
     // parameters in h's dtype or float32 (16-bit weights of a float32 h: widened)
-    at::Tensor w = !weight.defined() || weight.scalar_type() == h.scalar_type() ||
-                           weight.scalar_type() == at::kFloat
-                       ? weight
-                       : weight.to(at::kFloat);
-    auto g = backward_pass(dy, h, w, saved[2], saved[3], need_h ? grads[1] : at::Tensor(),
-                           ctx->saved_data["k"].toInt(), is_ln,
-                           ctx->saved_data["woff"].toDouble(), deterministic(ctx), need_h,
+    at::Tensor w = !w0.defined() || w0.scalar_type() == h.scalar_type() ||
+                           w0.scalar_type() == at::kFloat
+                       ? w0
+                       : w0.to(at::kFloat);
+    auto g = backward_pass(dy, h, w, mean.unpack(), rstd.unpack(), dh, k, is_ln, woff,
+                           det || at::globalContext().deterministicAlgorithms(), need_h,
                            need_w, need_b);
-    auto pdt = weight.defined() ? weight.scalar_type() : h.scalar_type();
+    if (!add) return {g[0], g[1], g[2]};
+    auto pdt = w0.defined() ? w0.scalar_type() : h.scalar_type();
     auto as = [](const at::Tensor& t, bool need, at::ScalarType d) {
       return need ? t.to(d) : at::Tensor();
     };
-    return {as(g[0], need_x, ctx->saved_data["x_dtype"].toScalarType()),
-            as(g[0], need_r, ctx->saved_data["r_dtype"].toScalarType()),
-            as(g[1], need_w, pdt), as(g[2], need_b, pdt), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {as(g[0], need_x, x_dtype), as(g[0], need_r, r_dtype), as(g[1], need_w, pdt),
+            as(g[2], need_b, pdt)};
   }
 };
+
+// A new node, owned as this torch's graph owns nodes (std::shared_ptr with torch's deleter
+// before torch 2.13, c10::intrusive_ptr since).
+template <class N>
+auto new_node() {
+  using Owner = decltype(torch::autograd::Edge::function);
+  if constexpr (std::is_same_v<Owner, std::shared_ptr<Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* n) { deleteNode(n); });  // found by ADL
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// y (then h, with a residual) of a call autograd records, their node made here.
+std::vector<at::Tensor> recorded_pass(const at::Tensor& x, const at::Tensor& r,
+                                      const at::Tensor& w, const at::Tensor& b, int64_t k,
+                                      double eps, bool is_ln, double woff,
+                                      c10::optional<at::ScalarType> hdtype, bool det) {
+  using torch::autograd::collect_next_edges;
+  auto node = new_node<NormBackward>();
+  node->add = r.defined();
+  node->set_next_edges(node->add ? collect_next_edges(x, r, w, b) : collect_next_edges(x, w, b));
+  at::Tensor xr;
+  std::vector<at::Tensor> out;
+  {
+    at::AutoGradMode off(false);  // rows()' copy, where it makes one, is not recorded
+    xr = node->add ? x : rows(x, k);
+    out = forward_pass(xr, w, b, r, k, eps, is_ln, woff, hdtype);
+  }
+  // h is this node's output: saved as a view without its history (no cycle), sharing its
+  // version counter (an in-place change before the backward is still caught)
+  node->rows_in = SavedVariable(node->add ? out[3].tensor_data() : xr, false);
+  node->weight = SavedVariable(w, false);
+  node->mean = SavedVariable(out[1], false);
+  node->rstd = SavedVariable(out[2], false);
+  node->k = k;
+  node->is_ln = is_ln;
+  node->woff = woff;
+  node->det = det;
+  node->x_dtype = x.scalar_type();
+  node->r_dtype = node->add ? r.scalar_type() : x.scalar_type();
+  torch::autograd::set_history(out[0], node);
+  if (node->add) torch::autograd::set_history(out[3], node);
+  return out;
+}
 
 // The number of normalized axes where x ends in ``shape``, else 0: the Python layer then takes
 // the call and names what is wrong.
@@ -453,30 +460,23 @@ bool recorded(std::initializer_list<at::Tensor> ts) {
   return false;
 }
 
-c10::optional<at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                               const c10::optional<at::Tensor>& bias,
-                               const std::vector<int64_t>& shape, double eps, bool is_ln,
-                               double woff, bool det) {
-  int64_t k = fits(x, shape);
-  if (!k) return c10::nullopt;
-  if (!recorded({x, opt(weight), opt(bias)}))
-    return forward_pass(x, opt(weight), opt(bias), at::Tensor(), k, eps, is_ln, woff,
-                        c10::nullopt)[0];
-  return Norm::apply(x, weight, bias, k, eps, is_ln, woff, det);
+// Whether an input carries a forward-mode tangent: the Python layer takes such calls (its
+// autograd.Function names what it lacks).
+bool dual(std::initializer_list<at::Tensor> ts) {
+  for (const auto& t : ts)
+    if (t.defined() && t._fw_grad(0).defined()) return true;
+  return false;
 }
 
-variable_list add_norm(const at::Tensor& x, const at::Tensor& residual,
-                       const c10::optional<at::Tensor>& weight,
-                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& shape,
-                       double eps, bool is_ln, double woff,
-                       c10::optional<at::ScalarType> hdtype, bool det) {
+// y, or (y, h) with a residual; empty where the C++ layer does not take the call.
+std::vector<at::Tensor> call(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                             const at::Tensor& b, const std::vector<int64_t>& shape, double eps,
+                             bool is_ln, double woff, c10::optional<at::ScalarType> hdtype,
+                             bool det) {
   int64_t k = fits(x, shape);
-  if (!k) return {};
-  if (!recorded({x, residual, opt(weight), opt(bias)})) {
-    auto out = forward_pass(x, opt(weight), opt(bias), residual, k, eps, is_ln, woff, hdtype);
-    return {out[0], out[3]};
-  }
-  return AddNorm::apply(x, residual, weight, bias, k, eps, is_ln, woff, hdtype, det);
+  if (!k || dual({x, r, w, b})) return {};
+  if (recorded({x, r, w, b})) return recorded_pass(x, r, w, b, k, eps, is_ln, woff, hdtype, det);
+  return forward_pass(x, w, b, r, k, eps, is_ln, woff, hdtype);
 }
 
 // ---------------------------------------------------------------------------- the custom ops
@@ -606,13 +606,93 @@ size_t size() {
   return registry.size();
 }
 
+// ---------------------------------------------------------------------------- the calls
+//
+// norm and add_norm as METH_FASTCALL functions: arguments read straight from the call's array
+// (pybind11's dispatch costs about what the rest of a no-grad call does).
+
+const at::Tensor& tensor_arg(PyObject* o, const char* name) {
+  TORCH_CHECK_TYPE(THPVariable_Check(o), name, " must be a torch.Tensor");
+  return THPVariable_Unpack(o);
+}
+
+at::Tensor optional_arg(PyObject* o, const char* name) {
+  return o == Py_None ? at::Tensor() : tensor_arg(o, name);
+}
+
+std::vector<int64_t> shape_arg(PyObject* o) {
+  TORCH_CHECK_TYPE(PyTuple_Check(o) || PyList_Check(o),
+                   "normalized_shape must be a tuple or list of ints");
+  PyObject** items = PySequence_Fast_ITEMS(o);
+  std::vector<int64_t> v(PySequence_Fast_GET_SIZE(o));
+  for (size_t i = 0; i < v.size(); ++i) {
+    v[i] = PyLong_AsLongLong(items[i]);
+    if (v[i] == -1 && PyErr_Occurred()) throw python_error();
+  }
+  return v;
+}
+
+double float_arg(PyObject* o) {
+  double v = PyFloat_AsDouble(o);
+  if (v == -1.0 && PyErr_Occurred()) throw python_error();
+  return v;
+}
+
+bool bool_arg(PyObject* o) {
+  int v = PyObject_IsTrue(o);
+  if (v < 0) throw python_error();
+  return v;
+}
+
+// norm(x, weight, bias, shape, eps, is_ln, weight_offset, deterministic): y, or None where x
+// does not end in shape.
+PyObject* norm_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(n == 8, "norm takes 8 arguments, got ", n);
+  auto out = call(tensor_arg(a[0], "x"), at::Tensor(), optional_arg(a[1], "weight"),
+                  optional_arg(a[2], "bias"), shape_arg(a[3]), float_arg(a[4]), bool_arg(a[5]),
+                  float_arg(a[6]), c10::nullopt, bool_arg(a[7]));
+  if (out.empty()) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(out[0]));
+  END_HANDLE_TH_ERRORS
+}
+
+// add_norm(x, residual, weight, bias, shape, eps, is_ln, weight_offset, residual_dtype,
+// deterministic): (y, h), or () where x does not end in shape.
+PyObject* add_norm_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(n == 10, "add_norm takes 10 arguments, got ", n);
+  c10::optional<at::ScalarType> hdtype;
+  if (a[8] != Py_None) {
+    TORCH_CHECK_TYPE(THPDtype_Check(a[8]), "residual_dtype must be a torch.dtype or None");
+    hdtype = reinterpret_cast<THPDtype*>(a[8])->scalar_type;
+  }
+  auto out = call(tensor_arg(a[0], "x"), tensor_arg(a[1], "residual"),
+                  optional_arg(a[2], "weight"), optional_arg(a[3], "bias"), shape_arg(a[4]),
+                  float_arg(a[5]), bool_arg(a[6]), float_arg(a[7]), hdtype, bool_arg(a[9]));
+  PyObject* t = PyTuple_New(out.empty() ? 0 : 2);
+  if (t && !out.empty()) {
+    PyTuple_SET_ITEM(t, 0, THPVariable_Wrap(std::move(out[0])));
+    PyTuple_SET_ITEM(t, 1, THPVariable_Wrap(std::move(out[3])));
+  }
+  return t;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef calls[] = {
+    {"norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(norm_call)),
+     METH_FASTCALL, "LayerNorm (is_ln) or RMSNorm of x over its trailing shape; None where x "
+     "does not end in it"},
+    {"add_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(add_norm_call)),
+     METH_FASTCALL, "(y, h): the norm of h = x + residual, and h; () where x does not end in "
+     "the shape"},
+    {nullptr, nullptr, 0, nullptr}};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("norm", &norm, "LayerNorm (is_ln) or RMSNorm of x over its trailing shape; None where "
-        "x does not end in it");
-  m.def("add_norm", &add_norm, "(y, h): the norm of h = x + residual, and h; () where x does "
-        "not end in the shape");
+  for (PyMethodDef* d = calls; d->ml_name; ++d)
+    m.add_object(d->ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(d, nullptr)));
   m.def("set_python", &set_python, "the Python layer's forward and backward calls");
   m.def("register_ops", &register_ops, "the custom ops' CUDA kernels, given their Python "
         "implementations by name");

@@ -806,8 +806,8 @@ def _add_norm(x, residual, weight, bias, shape, eps, is_ln, weight_offset, resid
     if not compiling and _native_takes(x, residual, weight, bias):
         out = _NATIVE.add_norm(x, residual, weight, bias, shape, _eps(eps, x), is_ln,
                                weight_offset, residual_dtype, deterministic)
-        if out:
-            return tuple(out)
+        if out:  # (): x does not end in shape, which the Python layer reports
+            return out
     _tensors(x=x, residual=residual, weight=weight, bias=bias)
     if is_ln:
         return _call(_add_ln_fwd, _AddLayerNorm, x, residual, weight, bias, _shape(shape), eps,

@@ -180,6 +180,47 @@ def test_calls_autograd_does_not_record_make_no_node():
     assert ct._NATIVE.norm(x, w, None, [64], 1e-6, False, 0.0, False).grad_fn is not None
 
 
+def test_the_cpp_node_keeps_autograds_rules():
+    """The C++ layer's autograd node, on the CPU where the layer builds: gradients of the fused
+    add's y alone, of h alone and of both against torch's; a second backward, and an input
+    changed in place before the backward, are errors, as for torch's nodes; a forward-mode
+    tangent and a bad argument are handed back or named before any work."""
+    if ct._native_wait() is None:
+        pytest.skip(f"the C++ layer did not build here: {ct._NATIVE_BUILD.get('error')}")
+    n = ct._NATIVE
+    x, r, w, b = (torch.randn(*s, requires_grad=True) for s in ((4, 64), (4, 64), (64,), (64,)))
+    dy, dh = torch.randn(4, 64), torch.randn(4, 64)
+    y, h = n.add_norm(x, r, w, b, [64], 1e-5, True, 0.0, None, False)
+    assert y.grad_fn is h.grad_fn and y.grad_fn.name() == "cupyln::AddNormBackward"
+    hr = x + r
+    yr = torch.nn.functional.layer_norm(hr, (64,), w, b, 1e-5)
+    ins = (x, r, w, b)
+    for outs, refs, grads in (((y, h), (yr, hr), (dy, dh)), ((y,), (yr,), (dy,)),
+                              ((h,), (hr,), (dh,))):
+        got = torch.autograd.grad(outs, ins, grads, retain_graph=True)
+        want = torch.autograd.grad(refs, ins, grads, retain_graph=True, allow_unused=True)
+        for a, c, i in zip(got, want, ins, strict=True):  # one node: zeros for w, b from h
+            assert torch.allclose(a, torch.zeros_like(i) if c is None else c, atol=1e-5)
+    y = n.norm(x, w, b, [64], 1e-5, True, 0.0, False)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+    xc = x.detach().clone().requires_grad_()
+    y, h = n.add_norm(xc, r, w, None, [64], 1e-5, False, 0.0, None, False)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        assert n.norm(fwad.make_dual(x.detach(), dy), w, b, [64], 1e-5, True, 0.0, False) is None
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        n.norm(x, 1.0, b, [64], 1e-5, True, 0.0, False)
+    with pytest.raises(TypeError, match="residual_dtype must be a torch.dtype"):
+        n.add_norm(x, r, w, b, [64], 1e-5, True, 0.0, "float32", False)
+
+
 @gpu
 def test_a_weight_offset_stays_in_cpp(native):
     """Gemma's (1 + weight): after the first call of a signature, no call reaches the Python
