@@ -182,9 +182,10 @@ def test_calls_autograd_does_not_record_make_no_node():
 
 def test_the_cpp_node_keeps_autograds_rules():
     """The C++ layer's autograd node, on the CPU where the layer builds: gradients of the fused
-    add's y alone, of h alone and of both against torch's; a second backward, and an input
-    changed in place before the backward, are errors, as for torch's nodes; a forward-mode
-    tangent and a bad argument are handed back or named before any work."""
+    add's y alone, of h alone and of both against torch's, and under activation checkpointing;
+    a second backward, and an input changed in place before the backward, are errors, as for
+    torch's nodes; a forward-mode tangent and a bad argument are handed back or named before
+    any work."""
     if ct._native_wait() is None:
         pytest.skip(f"the C++ layer did not build here: {ct._NATIVE_BUILD.get('error')}")
     n = ct._NATIVE
@@ -201,6 +202,14 @@ def test_the_cpp_node_keeps_autograds_rules():
         want = torch.autograd.grad(refs, ins, grads, retain_graph=True, allow_unused=True)
         for a, c, i in zip(got, want, ins, strict=True):  # one node: zeros for w, b from h
             assert torch.allclose(a, torch.zeros_like(i) if c is None else c, atol=1e-5)
+    def stack(x, r):
+        y, h = n.add_norm(x, r, w, b, [64], 1e-5, True, 0.0, None, False)
+        return n.norm(y * h, w, None, [64], 1e-5, False, 0.0, False).square().sum()
+
+    want = torch.autograd.grad(stack(x, r), ins)  # activation checkpointing: the same grads
+    got = torch.autograd.grad(torch.utils.checkpoint.checkpoint(stack, x, r, use_reentrant=False),
+                              ins)
+    assert all(torch.allclose(a, c, atol=1e-6) for a, c in zip(got, want, strict=True))
     y = n.norm(x, w, b, [64], 1e-5, True, 0.0, False)
     y.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
