@@ -1,12 +1,13 @@
 """Whole training steps of small pre-norm transformer stacks, with each provider's norms: what a
 model sees of a norm's device and host time together.
 
-    python -m cupyln.bench_models [--configs gpt-512x6,...] [--compiled] [--out steps.json]
+    python -m cupyln.bench_models [--configs gpt-512x6,...] [--compiled] [--rounds 5]
+                                  [--out steps.json]
 
 A step is zero_grad, forward, a mean-square loss, backward and a fused AdamW step, the parameters
 in bfloat16; its time is the median of CUDA events around ``STEPS`` steps after ``WARMUP``, the
-providers taking turns in ``ROUNDS`` rounds. The providers' models start from the same weights.
-``cupyln bench`` records these rows under the key ``model_steps``: one per (config, provider,
+providers taking turns in ``ROUNDS`` rounds (``--rounds``). The providers' models start from
+the same weights. ``cupyln bench`` records these rows under the key ``model_steps``: one per (config, provider,
 compiled) with ``ms``.
 """
 
@@ -188,9 +189,11 @@ def step_times(torch, step, n):
     return out
 
 
-def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln", "liger")):
+def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln", "liger"),
+         rounds=ROUNDS):
     """One row per (config, provider, compiled): ``{config, provider, compiled, ms}``, the
-    median of ``ROUNDS`` rounds in which the providers take turns (the host's speed drifts)."""
+    median of ``rounds`` rounds of ``STEPS // ROUNDS`` steps in which the providers take turns
+    (the host's speed drifts)."""
     import torch
 
     out = []
@@ -218,7 +221,7 @@ def rows(configs=tuple(CONFIGS), compiled=(False,), providers=("torch", "cupyln"
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             steps = {p: st for p, st in steps.items() if st is not None}
             times = {prov: [] for prov in steps}
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 for prov, step in steps.items():
                     times[prov] += step_times(torch, step, STEPS // ROUNDS)
             for prov, t in times.items():
@@ -267,10 +270,13 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--compiled", action="store_true", help="torch.compile(model) as well")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help=f"rounds of {STEPS // ROUNDS} steps each provider (default {ROUNDS})")
     ap.add_argument("--out", help="JSON file for the rows")
     ap.add_argument("--plot", help="PNG of the step times against torch's (needs matplotlib)")
     a = ap.parse_args(argv)
-    result = rows(a.configs.split(","), (False, True) if a.compiled else (False,))
+    result = rows(a.configs.split(","), (False, True) if a.compiled else (False,),
+                  rounds=a.rounds)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
