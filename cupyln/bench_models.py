@@ -7,8 +7,8 @@ model sees of a norm's device and host time together.
 A step is zero_grad, forward, a mean-square loss, backward and a fused AdamW step, the parameters
 in bfloat16; its time is the median of CUDA events around ``STEPS`` steps after ``WARMUP``, the
 providers taking turns in ``ROUNDS`` rounds (``--rounds``). The providers' models start from
-the same weights. ``cupyln bench`` records these rows under the key ``model_steps``: one per (config, provider,
-compiled) with ``ms``.
+the same weights. ``cupyln bench`` records these rows under the key ``model_steps``: one per
+(config, provider, compiled) with ``ms``.
 """
 
 from __future__ import annotations
