@@ -668,6 +668,16 @@ def _shape(normalized_shape):
 _FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
+_FORWARD_AD = torch.autograd.forward_ad
+
+
+def _dual_level():
+    """Whether a forward-mode AD level is open (torch's private level, -1 when none; where a
+    torch lacks it, taken as open): a call then takes ``apply`` even without grad, which
+    refuses a tangent it cannot carry rather than dropping it."""
+    return getattr(_FORWARD_AD, "_current_level", 0) >= 0
+
+
 def _call(op, eager, *args):
     """The custom op under ``torch.compile`` (outputs: y, the statistics, then h for the fused
     add), the eager Function where gradients are recorded, its forward alone under
@@ -677,7 +687,7 @@ def _call(op, eager, *args):
     left from a finished transform, which the forward takes as they are, as without grad)
     cost as much as the rest of ``apply`` (CPU host, no-op forward: 38-53 against 22-27 us)."""
     if not torch.compiler.is_compiling():
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not _dual_level():
             return eager.without_grad(*args)
         return eager.apply(*args) if _FUNCTORCH_ACTIVE() else eager.recorded(*args)
     out = op(*args)

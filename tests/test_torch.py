@@ -324,6 +324,30 @@ def test_without_grad_the_forward_runs_without_autograd(monkeypatch, device, con
                 assert torch.equal(g, e) and not g.requires_grad
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("torch_has_level", [True, False])
+def test_a_forward_mode_tangent_is_refused_not_dropped(monkeypatch, device, torch_has_level):
+    """Forward-mode AD, with or without grad mode: the norms carry no tangent, so a dual input
+    is refused (NotImplementedError) rather than its tangent dropped. Where torch lacks the
+    private level the check reads, every call takes apply: the same refusal, and calls without
+    a tangent still give their values."""
+    import types
+
+    import torch.autograd.forward_ad as fwad
+
+    if not torch_has_level:
+        monkeypatch.setattr(ct, "_FORWARD_AD", types.SimpleNamespace())
+    x, w, b, dy = inputs((6, 40), 1, torch.float32, torch.float32, device)
+    with torch.no_grad():
+        want = ct.layer_norm(x, (40,), w, b)
+        torch.testing.assert_close(want, F.layer_norm(x, (40,), w, b))
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, dy)
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad), pytest.raises(NotImplementedError, match="jvp"):
+                ct.layer_norm(dual, (40,), w, b)
+
+
 def test_with_grad_the_function_is_applied_past_torchs_python_wrapper(monkeypatch):
     """With gradients recorded and no functorch transform active, the forwards apply their
     autograd.Function through its C++ part, not torch's Python ``apply``; the gradients are
