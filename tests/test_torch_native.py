@@ -202,6 +202,7 @@ def test_the_cpp_node_keeps_autograds_rules():
         want = torch.autograd.grad(refs, ins, grads, retain_graph=True, allow_unused=True)
         for a, c, i in zip(got, want, ins, strict=True):  # one node: zeros for w, b from h
             assert torch.allclose(a, torch.zeros_like(i) if c is None else c, atol=1e-5)
+
     def stack(x, r):
         y, h = n.add_norm(x, r, w, b, [64], 1e-5, True, 0.0, None, False)
         return n.norm(y * h, w, None, [64], 1e-5, False, 0.0, False).square().sum()
