@@ -277,13 +277,29 @@ def _build_folder():
         yield folder
 
 
+# The C++ layer reads the current CUDA stream through torch's device interface
+# (getStreamNativeHandle, without CUDA headers), which torch has from 2.11.
+NATIVE_MIN_TORCH = (2, 11)
+
+
+def _torch_release():
+    """torch's (major, minor) version."""
+    return tuple(int(v) for v in torch.__version__.split(".")[:2])
+
+
 def _start_native():
-    """Starts the C++ layer's build, once (CUDA on NVIDIA GPUs only)."""
+    """Starts the C++ layer's build, once (CUDA on NVIDIA GPUs, torch 2.11 or later)."""
     if _NATIVE_BUILD:
         return
     mode = os.environ.get("CUPYLN_TORCH_NATIVE", "1")
     if mode == "0" or torch.version.hip is not None:
         _NATIVE_BUILD["error"] = "off" if mode == "0" else "ROCm: the Python layer runs"
+        return
+    if _torch_release() < NATIVE_MIN_TORCH:
+        _NATIVE_BUILD["error"] = (f"torch {torch.__version__}: the C++ layer needs torch "
+                                  f"{'.'.join(map(str, NATIVE_MIN_TORCH))} or later")
+        warnings.warn(f"cupyln.torch: {_NATIVE_BUILD['error']}, so calls take the Python layer "
+                      f"(more host time per call)", RuntimeWarning, stacklevel=3)
         return
     thread = _NATIVE_BUILD["thread"] = threading.Thread(
         target=_build_native, name="cupyln.torch C++ layer build", daemon=True)

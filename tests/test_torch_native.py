@@ -2,6 +2,7 @@
 calls it hands back (misaligned pointers, graph capture, unknown signatures), and the Python
 layer where the C++ one cannot be built."""
 
+import re
 import warnings
 
 import pytest
@@ -419,6 +420,23 @@ def test_a_build_that_does_not_end_is_not_waited_for_without_end(monkeypatch, tm
     assert "still building" in ct._NATIVE_BUILD["error"]
     release.set()
     assert ct._native_wait() is built and "error" not in ct._NATIVE_BUILD
+
+
+@pytest.mark.parametrize("version", ["2.10.1+cu128", "2.9.0a0+git1234"])
+def test_a_torch_older_than_the_layer_needs_keeps_the_python_layer(monkeypatch, version):
+    """A torch without the device interface's stream handle: no build is tried (it would fail
+    after a compile), a RuntimeWarning names the version needed, and calls take the Python
+    layer (CPU tensors here)."""
+    monkeypatch.setenv("CUPYLN_TORCH_NATIVE", "1")
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(ct, "_NATIVE", None)
+    monkeypatch.setattr(ct, "_NATIVE_BUILD", {})
+    with pytest.warns(RuntimeWarning, match=rf"torch {re.escape(version)}: the C\+\+ layer "
+                                            r"needs torch 2\.11 or later"):
+        assert ct._native_wait() is None
+    assert "thread" not in ct._NATIVE_BUILD
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(ct.LayerNorm(16)(x), torch.nn.functional.layer_norm(x, (16,)))
 
 
 def test_native_off_by_environment(monkeypatch):
